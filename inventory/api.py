@@ -1,0 +1,150 @@
+"""The JSON API. Views parse and validate, call one service or selector, render.
+
+Errors are always `{"error": CODE, "detail": ...}`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
+from django.http import HttpRequest, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from . import selectors, services
+from .exceptions import Busy, CheckoutError, InvalidRequest
+from .models import Order
+
+CHECKOUT_FIELDS = {"sku", "qty", "buyer", "idempotency_key"}
+
+
+def error_response(
+    code: str, detail: str, status: int, headers: dict[str, str] | None = None
+) -> JsonResponse:
+    return JsonResponse({"error": code, "detail": detail}, status=status, headers=headers)
+
+
+def checkout_error_response(error: CheckoutError) -> JsonResponse:
+    headers = {"Retry-After": str(error.retry_after)} if isinstance(error, Busy) else None
+    return error_response(error.code, error.detail, error.status, headers)
+
+
+def method_not_allowed(request: HttpRequest, allowed: str) -> JsonResponse:
+    return error_response(
+        "method_not_allowed",
+        f"{request.method} is not allowed here; use {allowed}",
+        405,
+        {"Allow": allowed},
+    )
+
+
+@dataclass(frozen=True)
+class CheckoutRequest:
+    sku: str
+    qty: int
+    buyer: str
+    idempotency_key: str | None
+
+
+def _text(data: dict[str, Any], field: str, *, max_length: int, required: bool) -> str | None:
+    value = data.get(field)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidRequest(f"{field}: a non-empty string is required")
+    if len(value) > max_length:
+        raise InvalidRequest(f"{field}: at most {max_length} characters")
+    if not value.isprintable():
+        raise InvalidRequest(f"{field}: control characters are not allowed")
+    return value.strip()
+
+
+def parse_checkout(body: bytes) -> CheckoutRequest:
+    """Validate a checkout body; raise InvalidRequest saying what is wrong."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidRequest("the body must be a JSON object") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    unexpected = sorted(set(data) - CHECKOUT_FIELDS)
+    if unexpected:
+        raise InvalidRequest(f"unexpected field(s): {', '.join(unexpected)}")
+    qty = data.get("qty")
+    if isinstance(qty, bool) or not isinstance(qty, int):
+        raise InvalidRequest("qty: a whole number is required")
+    if not 1 <= qty <= settings.FLASHSALE_MAX_QTY:
+        raise InvalidRequest(f"qty: from 1 to {settings.FLASHSALE_MAX_QTY}")
+    return CheckoutRequest(
+        sku=_text(data, "sku", max_length=64, required=True),
+        qty=qty,
+        buyer=_text(data, "buyer", max_length=64, required=True),
+        idempotency_key=_text(data, "idempotency_key", max_length=128, required=False),
+    )
+
+
+def _read_body(request: HttpRequest) -> bytes:
+    limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    try:
+        declared = int(request.META.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        raise InvalidRequest("Content-Length is not a number") from None
+    if declared > limit:
+        raise RequestDataTooBig
+    return request.body
+
+
+@csrf_exempt
+def checkout(request: HttpRequest) -> JsonResponse:
+    if request.method != "POST":
+        return method_not_allowed(request, "POST")
+    try:
+        parsed = parse_checkout(_read_body(request))
+        result = services.place_order(
+            sku=parsed.sku,
+            qty=parsed.qty,
+            buyer=parsed.buyer,
+            idempotency_key=parsed.idempotency_key,
+        )
+    except RequestDataTooBig:
+        return error_response(
+            "too_large",
+            f"the body is larger than {settings.DATA_UPLOAD_MAX_MEMORY_SIZE} bytes",
+            413,
+        )
+    except CheckoutError as error:
+        return checkout_error_response(error)
+    headers = {"Location": f"/api/orders/{result.order.pk}"}
+    if not result.created:
+        headers["Idempotent-Replayed"] = "true"
+    return JsonResponse(selectors.order_payload(result.order), status=201, headers=headers)
+
+
+def item_detail(request: HttpRequest, sku: str) -> JsonResponse:
+    if request.method != "GET":
+        return method_not_allowed(request, "GET")
+    try:
+        item = selectors.get_item(sku)
+    except CheckoutError as error:
+        return checkout_error_response(error)
+    payload = selectors.item_payload(item)
+    payload["redis_stock"] = selectors.redis_stock_of(item)
+    return JsonResponse(payload)
+
+
+def order_detail(request: HttpRequest, order_id: int) -> JsonResponse:
+    if request.method != "GET":
+        return method_not_allowed(request, "GET")
+    try:
+        order = selectors.get_order(order_id)
+    except Order.DoesNotExist:
+        return error_response("unknown_order", f"no order {order_id}", 404)
+    return JsonResponse(selectors.order_payload(order))
+
+
+def healthz(request: HttpRequest) -> JsonResponse:
+    state = selectors.health()
+    return JsonResponse(state, status=200 if state["ok"] else 503)

@@ -1,0 +1,70 @@
+"""Typed checkout errors. Each carries the data a caller needs to answer the buyer."""
+
+from __future__ import annotations
+
+
+class CheckoutError(Exception):
+    """Base of every error a checkout answers with; `code` is the API's error code."""
+
+    code = "error"
+    status = 400
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+class InvalidRequest(CheckoutError):
+    code = "invalid"
+    status = 400
+
+
+class UnknownSku(CheckoutError):
+    code = "unknown_sku"
+    status = 404
+
+    def __init__(self, sku: str) -> None:
+        super().__init__(f"no item with sku {sku!r}")
+        self.sku = sku
+
+
+class SoldOut(CheckoutError):
+    code = "sold_out"
+    status = 409
+
+    def __init__(self, *, sku: str, requested: int, remaining: int | None = None) -> None:
+        if remaining:
+            detail = f"{sku}: only {remaining} left, {requested} requested"
+        else:
+            detail = f"{sku} is sold out"
+        super().__init__(detail)
+        self.requested = requested
+        self.remaining = remaining
+
+
+class LimitReached(CheckoutError):
+    code = "limit_reached"
+    status = 409
+
+    def __init__(self, *, sku: str, limit: int) -> None:
+        super().__init__(f"{sku}: at most {limit} per buyer")
+        self.limit = limit
+
+
+class Busy(CheckoutError):
+    """Contention outlasted the wait; nothing was taken. Safe to retry after `retry_after`."""
+
+    code = "busy"
+    status = 503
+
+    def __init__(self, detail: str, *, retry_after: int = 1) -> None:
+        super().__init__(detail)
+        self.retry_after = retry_after
+
+
+class NotOnSale(CheckoutError):
+    code = "not_on_sale"
+    status = 409
+
+    def __init__(self, sku: str) -> None:
+        super().__init__(f"{sku} has no sale running: start one with `manage.py sale start`")

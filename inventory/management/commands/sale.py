@@ -1,0 +1,73 @@
+"""`manage.py sale start|audit`: run a sale and check its invariants."""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal, InvalidOperation
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from inventory import selectors, services
+from inventory.exceptions import CheckoutError
+from inventory.strategies import strategy_names
+
+
+def _decimal(value: str) -> Decimal:
+    try:
+        return Decimal(value)
+    except InvalidOperation:
+        raise ValueError(value) from None
+
+
+class Command(BaseCommand):
+    help = "Start a sale of an item, or audit the current one."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        actions = parser.add_subparsers(dest="action", required=True, metavar="{start,audit}")
+        start = actions.add_parser(
+            "start",
+            help="(Re)start the sale of SKU: create it if new, set stock and strategy, clear "
+            "its earlier orders, warm Redis.",
+        )
+        start.add_argument("sku")
+        start.add_argument("--stock", type=int, required=True, help="units for sale")
+        start.add_argument("--strategy", required=True, choices=strategy_names())
+        start.add_argument("--limit", type=int, default=None, help="most units per buyer")
+        start.add_argument("--name", default=None, help="display name (default: from the sku)")
+        start.add_argument("--price", type=_decimal, default=None)
+        audit = actions.add_parser("audit", help="Check SKU's invariants after a sale.")
+        audit.add_argument("sku")
+        audit.add_argument("--json", action="store_true", help="print one JSON object")
+
+    def handle(self, *args: object, **options: object) -> None:
+        try:
+            if options["action"] == "start":
+                self._start(options)
+            else:
+                self._audit(options)
+        except CheckoutError as error:
+            raise CommandError(error.detail) from None
+
+    def _start(self, options: dict) -> None:
+        sale = services.start_sale(
+            sku=options["sku"],
+            stock=options["stock"],
+            strategy=options["strategy"],
+            limit=options["limit"],
+            name=options["name"],
+            price=options["price"],
+        )
+        limit = f", at most {sale.per_buyer_limit} per buyer" if sale.per_buyer_limit else ""
+        self.stdout.write(
+            f"sale {sale.pk} of {sale.item.sku} started: {sale.initial_stock} units through "
+            f"{sale.strategy}{limit}"
+        )
+
+    def _audit(self, options: dict) -> None:
+        report = selectors.audit_sale(options["sku"])
+        if options["json"]:
+            self.stdout.write(json.dumps(report))
+            return
+        width = max(map(len, report))
+        for key, value in report.items():
+            self.stdout.write(f"{key:<{width}}  {value}")

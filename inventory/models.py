@@ -1,0 +1,155 @@
+"""Items, their stock shards, sales and orders.
+
+The database is the system of record: every stock change is a guarded UPDATE on these rows, and
+the constraints below are the last line of defence (stock never negative, one order per
+idempotency key, a buyer never past the item's limit).
+"""
+
+from __future__ import annotations
+
+from django.db import models
+from django.db.models import Q
+
+
+class Strategy(models.TextChoices):
+    LOCK = "lock", "lock: one Redis lock per item"
+    SEGMENTED = "segmented", "segmented: 10 shards, one Redis lock each"
+    LUA = "lua", "lua: atomic check-and-DECRBY script"
+    OPTIMISTIC = "optimistic", "optimistic: version-checked UPDATE"
+    UNSAFE = "unsafe", "unsafe: read-modify-write, no lock (oversells)"
+
+
+class Item(models.Model):
+    sku = models.SlugField(max_length=64, unique=True)
+    name = models.CharField(max_length=200)
+    price = models.DecimalField(max_digits=10, decimal_places=2, default=0)
+    stock = models.IntegerField(default=0, help_text="Units left, per the database.")
+    version = models.BigIntegerField(default=0, help_text="Bumped by every stock write.")
+    strategy = models.CharField(max_length=16, choices=Strategy.choices, default=Strategy.LOCK)
+    per_buyer_limit = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Most units one buyer may hold; empty for no limit."
+    )
+    shard_count = models.PositiveSmallIntegerField(
+        default=0, help_text="How many stock shards hold this item's units (0: none)."
+    )
+    current_sale = models.ForeignKey(
+        "Sale", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["sku"]
+        constraints = [
+            models.CheckConstraint(condition=Q(stock__gte=0), name="item_stock_not_negative"),
+            models.CheckConstraint(condition=Q(price__gte=0), name="item_price_not_negative"),
+            models.CheckConstraint(
+                condition=Q(per_buyer_limit__isnull=True) | Q(per_buyer_limit__gte=1),
+                name="item_per_buyer_limit_positive",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.sku
+
+
+class StockShard(models.Model):
+    """One slice of an item's stock; the shards of an item always add up to its stock."""
+
+    item = models.ForeignKey(Item, on_delete=models.CASCADE, related_name="shards")
+    index = models.PositiveSmallIntegerField()
+    stock = models.IntegerField(default=0)
+    version = models.BigIntegerField(default=0)
+
+    class Meta:
+        ordering = ["item", "index"]
+        constraints = [
+            models.UniqueConstraint(fields=["item", "index"], name="shard_unique_index"),
+            models.CheckConstraint(condition=Q(stock__gte=0), name="shard_stock_not_negative"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.item_id}#{self.index}"
+
+
+class Sale(models.Model):
+    """One (re)start of an item's sale: what it started with and how it sells."""
+
+    item = models.ForeignKey(Item, on_delete=models.CASCADE, related_name="sales")
+    initial_stock = models.PositiveIntegerField()
+    strategy = models.CharField(max_length=16, choices=Strategy.choices)
+    per_buyer_limit = models.PositiveIntegerField(null=True, blank=True)
+    started_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-started_at", "-pk"]
+        get_latest_by = ["started_at", "pk"]
+
+    def __str__(self) -> str:
+        return f"{self.item.sku} x{self.initial_stock} ({self.strategy})"
+
+
+class OrderStatus(models.TextChoices):
+    PENDING = "pending"
+    PAID = "paid"
+    CONFIRMED = "confirmed"
+    FAILED = "failed"
+    EXPIRED = "expired"
+
+
+#: Orders in these states hold their units; failed and expired ones have given them back.
+LIVE_STATUSES = (OrderStatus.PENDING, OrderStatus.PAID, OrderStatus.CONFIRMED)
+
+
+class Order(models.Model):
+    item = models.ForeignKey(Item, on_delete=models.PROTECT, related_name="orders")
+    sale = models.ForeignKey(Sale, on_delete=models.PROTECT, related_name="orders")
+    buyer = models.CharField(max_length=64)
+    qty = models.PositiveIntegerField()
+    status = models.CharField(
+        max_length=16, choices=OrderStatus.choices, default=OrderStatus.PENDING
+    )
+    idempotency_key = models.CharField(max_length=128, null=True, blank=True, unique=True)
+    served_by = models.CharField(
+        max_length=16,
+        choices=Strategy.choices,
+        help_text="The strategy that took the units (optimistic when the fallback served).",
+    )
+    fallback = models.BooleanField(default=False, help_text="Served while Redis was down.")
+    shard_units = models.JSONField(
+        null=True, blank=True, help_text="Units taken per shard index, for sharded items."
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-created_at", "-pk"]
+        indexes = [
+            models.Index(fields=["item", "status"], name="order_item_status"),
+            models.Index(fields=["item", "buyer"], name="order_item_buyer"),
+        ]
+        constraints = [
+            models.CheckConstraint(condition=Q(qty__gte=1), name="order_qty_positive"),
+        ]
+
+    def __str__(self) -> str:
+        return f"order {self.pk} {self.item_id} x{self.qty} ({self.status})"
+
+
+class BuyerAllowance(models.Model):
+    """Units a buyer holds of an item, capped by the database at the item's limit."""
+
+    item = models.ForeignKey(Item, on_delete=models.CASCADE, related_name="allowances")
+    buyer = models.CharField(max_length=64)
+    units = models.PositiveIntegerField(default=0)
+    unit_limit = models.PositiveIntegerField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["item", "buyer"], name="allowance_unique_buyer"),
+            models.CheckConstraint(
+                condition=Q(units__lte=models.F("unit_limit")), name="allowance_within_limit"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.buyer}: {self.units}/{self.unit_limit} of item {self.item_id}"

@@ -1,0 +1,120 @@
+"""Selectors: the reads. What the API, the pages and the audit show."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.models import Count, Sum
+
+from .breaker import breaker
+from .exceptions import NotOnSale, UnknownSku
+from .models import LIVE_STATUSES, Item, Order, OrderStatus
+from .redis_client import REDIS_DOWN_ERRORS, get_redis_client
+from .stock import shard_stocks
+from .strategies import get_strategy
+
+
+def get_item(sku: str) -> Item:
+    try:
+        return Item.objects.select_related("current_sale").get(sku=sku)
+    except Item.DoesNotExist:
+        raise UnknownSku(sku) from None
+
+
+def redis_stock_of(item: Item) -> int | None:
+    """What Redis believes is left of item, or None (unused by its strategy, or Redis down)."""
+    try:
+        return get_strategy(item.strategy).redis_stock(item=item)
+    except REDIS_DOWN_ERRORS:
+        return None
+
+
+def item_payload(item: Item) -> dict[str, Any]:
+    sale = item.current_sale
+    return {
+        "sku": item.sku,
+        "name": item.name,
+        "price": str(item.price),
+        "stock": item.stock,
+        "strategy": item.strategy,
+        "per_buyer_limit": item.per_buyer_limit,
+        "initial_stock": sale.initial_stock if sale else None,
+        "sale_started_at": sale.started_at.isoformat() if sale else None,
+    }
+
+
+def order_payload(order: Order) -> dict[str, Any]:
+    return {
+        "order": order.pk,
+        "sku": order.item.sku,
+        "qty": order.qty,
+        "buyer": order.buyer,
+        "status": order.status,
+        "strategy": order.served_by,
+        "fallback": order.fallback,
+        "created_at": order.created_at.isoformat(),
+    }
+
+
+def get_order(order_id: int) -> Order:
+    return Order.objects.select_related("item").get(pk=order_id)
+
+
+def audit_sale(sku: str) -> dict[str, Any]:
+    """The invariants of sku's current sale, from the orders, the item row, shards and Redis."""
+    item = get_item(sku)
+    sale = item.current_sale
+    if sale is None:
+        raise NotOnSale(sku)
+    orders = Order.objects.filter(sale=sale)
+    by_status = {
+        row["status"]: (row["orders"], row["units"])
+        for row in orders.values("status").annotate(orders=Count("pk"), units=Sum("qty"))
+    }
+    accepted = sum(units for status, (_, units) in by_status.items() if status in LIVE_STATUSES)
+    initial = sale.initial_stock
+    shards = shard_stocks(item.pk) if item.shard_count else None
+    redis_stock = redis_stock_of(item)
+    counts_in_redis = get_strategy(item.strategy).counts_in_redis
+    return {
+        "sku": item.sku,
+        "strategy": item.strategy,
+        "initial_stock": initial,
+        "accepted_units": accepted,
+        "accepted_orders": sum(
+            count for status, (count, _) in by_status.items() if status in LIVE_STATUSES
+        ),
+        "oversold": max(0, accepted - initial),
+        "remaining": max(0, initial - accepted),
+        "db_stock": item.stock,
+        "redis_stock": redis_stock,
+        "shard_stock": sum(shards.values()) if shards is not None else None,
+        "consistent": item.stock == initial - accepted
+        and (shards is None or sum(shards.values()) == item.stock)
+        and (not counts_in_redis or redis_stock == item.stock),
+        "fallback_orders": orders.filter(fallback=True).count(),
+        "orders_by_status": {status: by_status.get(status, (0, 0))[0] for status in OrderStatus},
+        "units_by_status": {status: by_status.get(status, (0, 0))[1] for status in OrderStatus},
+    }
+
+
+def health() -> dict[str, Any]:
+    from django.db import connection
+
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+        database = "ok"
+    except Exception as exc:  # any failure to answer is "down"
+        database = f"down: {exc.__class__.__name__}"
+    try:
+        get_redis_client().ping()
+        redis_state = "ok"
+    except REDIS_DOWN_ERRORS as exc:
+        redis_state = f"down: {exc.__class__.__name__}"
+    return {
+        "database": database,
+        "redis": redis_state,
+        "fallback_active": breaker.is_open or redis_state != "ok",
+        "ok": database == "ok",
+    }

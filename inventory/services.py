@@ -1,0 +1,200 @@
+"""Services: the writes. Views, commands and tasks parse input, call one of these, render."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from decimal import Decimal
+
+from django.db import IntegrityError, connection, transaction
+
+from .exceptions import InvalidRequest, LimitReached, NotOnSale, UnknownSku
+from .models import BuyerAllowance, Item, Order, Sale, StockShard
+from .redis_client import REDIS_DOWN_ERRORS, get_redis_client, redis_key
+from .stock import split_stock
+from .strategies import Allocation, get_strategy, strategy_names
+
+logger = logging.getLogger(__name__)
+
+ALLOWANCE_LIMIT_CONSTRAINT = "allowance_within_limit"
+
+
+@dataclass(frozen=True)
+class CheckoutResult:
+    order: Order
+    #: False when an earlier checkout with the same idempotency key is being replayed.
+    created: bool
+
+
+def place_order(
+    *, sku: str, qty: int, buyer: str, idempotency_key: str | None = None
+) -> CheckoutResult:
+    """Sell qty units of sku to buyer through the item's strategy; the order is committed on return.
+
+    Raises UnknownSku, NotOnSale, SoldOut, LimitReached, Busy or InvalidRequest (an idempotency
+    key reused for a different checkout). Retrying with the same idempotency key returns the
+    same order, even when the retries race each other.
+    """
+    if idempotency_key:
+        replay = _replay(idempotency_key, sku=sku, qty=qty, buyer=buyer)
+        if replay is not None:
+            return CheckoutResult(order=replay, created=False)
+    try:
+        item = Item.objects.get(sku=sku)
+    except Item.DoesNotExist:
+        raise UnknownSku(sku) from None
+    if item.current_sale_id is None:
+        raise NotOnSale(sku)
+    limit = item.per_buyer_limit
+    if limit is not None and qty > limit:
+        raise LimitReached(sku=sku, limit=limit)
+
+    def record(allocation: Allocation) -> Order:
+        if limit is not None:
+            _reserve_allowance(item=item, buyer=buyer, qty=qty, limit=limit)
+        return Order.objects.create(
+            item=item,
+            sale_id=item.current_sale_id,
+            buyer=buyer,
+            qty=qty,
+            idempotency_key=idempotency_key or None,
+            served_by=allocation.strategy,
+            fallback=allocation.fallback,
+            shard_units=allocation.shard_units,
+        )
+
+    try:
+        order = get_strategy(item.strategy).take(item=item, qty=qty, buyer=buyer, record=record)
+    except IntegrityError as exc:
+        if _violated_constraint(exc) == ALLOWANCE_LIMIT_CONSTRAINT:
+            raise LimitReached(sku=sku, limit=limit or 0) from None
+        if idempotency_key:
+            replay = _replay(idempotency_key, sku=sku, qty=qty, buyer=buyer)
+            if replay is not None:
+                return CheckoutResult(order=replay, created=False)
+        raise
+    return CheckoutResult(order=order, created=True)
+
+
+def _replay(key: str, *, sku: str, qty: int, buyer: str) -> Order | None:
+    order = Order.objects.select_related("item").filter(idempotency_key=key).first()
+    if order is None:
+        return None
+    if (order.item.sku, order.qty, order.buyer) != (sku, qty, buyer):
+        raise InvalidRequest(
+            f"idempotency_key {key!r} was used for another checkout "
+            f"({order.item.sku} x{order.qty} for {order.buyer})"
+        )
+    return order
+
+
+def _reserve_allowance(*, item: Item, buyer: str, qty: int, limit: int) -> None:
+    """Count qty more units against buyer; the database refuses to pass the limit."""
+    table = BuyerAllowance._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {table} (item_id, buyer, units, unit_limit) VALUES (%s, %s, %s, %s)"
+            f" ON CONFLICT (item_id, buyer) DO UPDATE SET units = {table}.units + EXCLUDED.units",
+            [item.pk, buyer, qty, limit],
+        )
+
+
+def _violated_constraint(exc: IntegrityError) -> str | None:
+    diag = getattr(exc.__cause__, "diag", None)
+    return getattr(diag, "constraint_name", None)
+
+
+@transaction.atomic
+def start_sale(
+    *,
+    sku: str,
+    stock: int,
+    strategy: str,
+    limit: int | None = None,
+    name: str | None = None,
+    price: Decimal | None = None,
+) -> Sale:
+    """(Re)start the sale of sku: create the item if new, set stock, strategy and limit, clear
+    its earlier orders, split its shards, and warm Redis once committed.
+
+    Raises InvalidRequest for a bad argument; nothing is written then.
+    """
+    _validate_sale(sku=sku, stock=stock, strategy=strategy, limit=limit, price=price)
+    selling = get_strategy(strategy)
+    item, _ = Item.objects.select_for_update().get_or_create(
+        sku=sku, defaults={"name": name or sku.replace("-", " ").title()}
+    )
+    Order.objects.filter(item=item).delete()
+    BuyerAllowance.objects.filter(item=item).delete()
+    StockShard.objects.filter(item=item).delete()
+    sale = Sale.objects.create(
+        item=item, initial_stock=stock, strategy=strategy, per_buyer_limit=limit
+    )
+    item.stock = stock
+    item.version += 1
+    item.strategy = strategy
+    item.per_buyer_limit = limit
+    item.shard_count = selling.shard_count
+    item.current_sale = sale
+    fields = ["stock", "version", "strategy", "per_buyer_limit", "shard_count", "current_sale"]
+    if name:
+        item.name = name
+        fields.append("name")
+    if price is not None:
+        item.price = price
+        fields.append("price")
+    item.save(update_fields=fields)
+    if item.shard_count:
+        StockShard.objects.bulk_create(
+            StockShard(item=item, index=index, stock=units)
+            for index, units in enumerate(split_stock(stock, item.shard_count))
+        )
+    transaction.on_commit(lambda: warm_redis(item))
+    return sale
+
+
+def _validate_sale(
+    *, sku: str, stock: int, strategy: str, limit: int | None, price: Decimal | None
+) -> None:
+    from django.core.exceptions import ValidationError
+    from django.core.validators import validate_slug
+
+    try:
+        validate_slug(sku)
+    except ValidationError:
+        raise InvalidRequest(f"sku {sku!r}: use letters, digits, '-' and '_' only") from None
+    if len(sku) > Item._meta.get_field("sku").max_length:
+        raise InvalidRequest("sku: at most 64 characters")
+    if strategy not in strategy_names():
+        raise InvalidRequest(
+            f"unknown strategy {strategy!r}; choose one of {', '.join(strategy_names())}"
+        )
+    if isinstance(stock, bool) or not isinstance(stock, int) or not 0 <= stock <= 10**9:
+        raise InvalidRequest("stock: a whole number from 0 to 1000000000")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise InvalidRequest("limit: a whole number of at least 1")
+    if price is not None and (price < 0 or price >= Decimal("1e8")):
+        raise InvalidRequest("price: from 0 to 99999999.99")
+
+
+def warm_redis(item: Item) -> bool:
+    """Drop Redis state left by the item's earlier sales and seed the current one's.
+
+    Best effort: with Redis down the sale still runs (through the fallback) and the counters are
+    seeded on first use. Returns whether Redis was warmed.
+    """
+    client = get_redis_client()
+    try:
+        current = redis_key("item", item.sku, "sale", item.current_sale_id, "")
+        stale = [
+            key
+            for key in client.scan_iter(match=redis_key("item", item.sku, "sale", "*"), count=500)
+            if not key.decode().startswith(current)
+        ]
+        if stale:
+            client.delete(*stale)
+        get_strategy(item.strategy).sync_redis(item=item)
+    except REDIS_DOWN_ERRORS as exc:
+        logger.warning("sale of %s started without warming Redis (%s)", item.sku, exc)
+        return False
+    return True

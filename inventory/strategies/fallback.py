@@ -1,0 +1,47 @@
+"""Composition, as Django's `cached_db` sessions: Redis first, the database behind it."""
+
+from __future__ import annotations
+
+from ..breaker import RedisBreaker
+from ..models import Item, Order
+from ..redis_client import REDIS_DOWN_ERRORS
+from .base import Allocation, RecordOrder, StockStrategy
+
+
+class RedisWithFallback(StockStrategy):
+    """Serve through `primary`; when Redis is unreachable, through `fallback` instead.
+
+    Only connection errors and timeouts switch over (a busy lock is an answer, not an outage),
+    and only while nothing is committed: the primary's contract guarantees that. The breaker
+    keeps later checkouts off Redis until it answers again and has been rebuilt.
+    """
+
+    uses_redis = True
+
+    def __init__(
+        self, primary: StockStrategy, fallback: StockStrategy, breaker: RedisBreaker
+    ) -> None:
+        self.primary = primary
+        self.fallback = fallback
+        self.breaker = breaker
+        self.name = primary.name
+        self.shard_count = primary.shard_count
+        self.counts_in_redis = primary.counts_in_redis
+
+    def take(self, *, item: Item, qty: int, buyer: str, record: RecordOrder) -> Order:
+        if self.breaker.allow():
+            try:
+                return self.primary.take(item=item, qty=qty, buyer=buyer, record=record)
+            except REDIS_DOWN_ERRORS as exc:
+                self.breaker.record_failure(exc)
+
+        def record_as_fallback(allocation: Allocation) -> Order:
+            return record(allocation.as_fallback())
+
+        return self.fallback.take(item=item, qty=qty, buyer=buyer, record=record_as_fallback)
+
+    def sync_redis(self, *, item: Item) -> None:
+        self.primary.sync_redis(item=item)
+
+    def redis_stock(self, *, item: Item) -> int | None:
+        return self.primary.redis_stock(item=item)

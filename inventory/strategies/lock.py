@@ -1,0 +1,87 @@
+"""`lock`: one Redis lock per item around a version-checked database update."""
+
+from __future__ import annotations
+
+import logging
+
+from django.conf import settings
+from django.db import transaction
+
+from locking import Lock, LockNotOwnedError
+
+from ..breaker import breaker
+from ..exceptions import Busy, SoldOut
+from ..models import Item, Order
+from ..redis_client import REDIS_DOWN_ERRORS, get_redis_client, redis_key
+from ..stock import read_stock, simulate_work, take_item_units
+from .base import Allocation, RecordOrder, StockStrategy
+
+logger = logging.getLogger(__name__)
+
+
+def new_lock(name: str) -> Lock:
+    """A lock configured from settings: TTL, how long to wait, watchdog renewal."""
+    return Lock(
+        get_redis_client(),
+        name,
+        timeout=settings.FLASHSALE_LOCK_TTL_MS / 1000,
+        blocking_timeout=settings.FLASHSALE_LOCK_WAIT_MS / 1000,
+        watchdog=settings.FLASHSALE_LOCK_WATCHDOG,
+    )
+
+
+def ensure_still_held(lock: Lock, sku: str) -> None:
+    """Refuse to commit once the watchdog has reported the lock lost.
+
+    If it was lost because Redis went away, the GET raises a connection error and the fallback
+    serves the checkout; if someone else holds it now, the buyer is told to retry.
+    """
+    if lock.lost and not lock.owned():
+        raise Busy(
+            f"{sku}: lock lost before commit", retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER
+        )
+
+
+def release_quietly(lock: Lock) -> None:
+    """Release after the work is done; by then a failure must not undo a committed order."""
+    try:
+        lock.release()
+    except LockNotOwnedError:
+        logger.info("lock %s had expired before release", lock.name)
+    except REDIS_DOWN_ERRORS as exc:
+        breaker.record_failure(exc)
+        logger.warning("could not release %s: Redis is down; it expires by itself", lock.name)
+
+
+class LockStrategy(StockStrategy):
+    name = "lock"
+    uses_redis = True
+
+    def take(self, *, item: Item, qty: int, buyer: str, record: RecordOrder) -> Order:
+        # A plain read, no decision: it spares the lock once the item is gone.
+        seen = read_stock(item.pk)
+        if seen.stock < qty:
+            raise SoldOut(sku=item.sku, requested=qty, remaining=seen.stock)
+        lock = new_lock(redis_key("lock", "item", item.sku))
+        if not lock.acquire():
+            raise Busy(
+                f"{item.sku}: lock still held after {settings.FLASHSALE_LOCK_WAIT_MS} ms",
+                retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+            )
+        try:
+            with transaction.atomic():
+                seen = read_stock(item.pk)
+                if seen.stock < qty:
+                    raise SoldOut(sku=item.sku, requested=qty, remaining=seen.stock)
+                simulate_work()
+                # The version check makes a lock that expired mid-work harmless.
+                if not take_item_units(item.pk, qty, expected_version=seen.version):
+                    raise Busy(
+                        f"{item.sku}: another holder wrote first (the lock expired mid-work)",
+                        retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+                    )
+                order = record(Allocation(strategy=self.name))
+                ensure_still_held(lock, item.sku)
+            return order
+        finally:
+            release_quietly(lock)

@@ -1,0 +1,46 @@
+"""`optimistic`: the database alone. Read the version, UPDATE only if it is unchanged, retry."""
+
+from __future__ import annotations
+
+import random
+import time
+
+from django.conf import settings
+from django.db import transaction
+
+from ..exceptions import Busy, SoldOut
+from ..models import Item, Order
+from ..stock import read_stock, simulate_work, take_from_shards, take_item_units
+from .base import Allocation, RecordOrder, StockStrategy
+
+_BACKOFF_BASE_SECONDS = 0.001
+_BACKOFF_CAP_SECONDS = 0.025
+
+
+class OptimisticStrategy(StockStrategy):
+    """Version-checked UPDATE with bounded, jittered retries; also the fallback for Redis.
+
+    Works for any item: when the item keeps stock shards (it sells through `segmented`), the
+    same transaction takes the units from its shards too, so the fallback keeps them true.
+    """
+
+    name = "optimistic"
+
+    def take(self, *, item: Item, qty: int, buyer: str, record: RecordOrder) -> Order:
+        attempts = settings.FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS
+        for attempt in range(attempts):
+            seen = read_stock(item.pk)
+            if seen.stock < qty:
+                raise SoldOut(sku=item.sku, requested=qty, remaining=seen.stock)
+            with transaction.atomic():
+                simulate_work()
+                if take_item_units(item.pk, qty, expected_version=seen.version):
+                    shard_units = take_from_shards(item.pk, qty) if item.shard_count else None
+                    return record(Allocation(strategy=self.name, shard_units=shard_units))
+            # Someone else wrote first: back off a random, growing while before reading again.
+            ceiling = min(_BACKOFF_CAP_SECONDS, _BACKOFF_BASE_SECONDS * 2**attempt)
+            time.sleep(random.uniform(0, ceiling))
+        raise Busy(
+            f"{item.sku}: stock changed under {attempts} attempts in a row",
+            retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+        )

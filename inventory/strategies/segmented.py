@@ -1,0 +1,191 @@
+"""`segmented`: the stock split over shards, each with its own Redis lock.
+
+The database holds each shard's units (the system of record); Redis holds a hint per shard, set
+from the database by the lock holder right after each commit, so the hints are never lower than
+the truth except after a crash (which the rebuild on recovery repairs).
+
+A buyer starts at a random shard and walks the ring:
+1. shards whose hint covers the whole quantity and whose lock is free right now: take one, serve
+   from it; if the database finds it short, correct its hint and move on;
+2. then wait (up to FLASHSALE_LOCK_WAIT_MS in all) for the busy ones among those;
+3. when no single shard holds the quantity (or all that seemed to were short), lock every shard
+   in index order and serve from several, lowest index first. Locks are only ever waited for
+   in ascending order while others are held, so two buyers cannot deadlock.
+Sold out only when the shards together hold fewer units than asked.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+from django.conf import settings
+from django.db import transaction
+
+from locking import Lock, StockCounter
+
+from ..breaker import breaker
+from ..exceptions import Busy, SoldOut
+from ..models import Item, Order
+from ..redis_client import REDIS_DOWN_ERRORS, get_redis_client, redis_key
+from ..stock import shard_stocks, simulate_work, take_item_units, take_shard_units
+from .base import Allocation, RecordOrder, StockStrategy
+from .lock import ensure_still_held, new_lock, release_quietly
+
+logger = logging.getLogger(__name__)
+
+
+class _ShardShort(Exception):
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def shard_key(item: Item, index: int) -> str:
+    return redis_key("item", item.sku, "sale", item.current_sale_id, "shard", index)
+
+
+def shard_lock(item: Item, index: int) -> Lock:
+    return new_lock(redis_key("lock", "item", item.sku, "shard", index))
+
+
+class SegmentedStrategy(StockStrategy):
+    name = "segmented"
+    uses_redis = True
+    counts_in_redis = True
+    shard_count = settings.FLASHSALE_SHARDS
+
+    def _keys(self, item: Item) -> list[str]:
+        return [shard_key(item, index) for index in range(item.shard_count)]
+
+    def take(self, *, item: Item, qty: int, buyer: str, record: RecordOrder) -> Order:
+        if not item.shard_count:
+            raise RuntimeError(f"{item.sku} has no stock shards: restart its sale")
+        counter = StockCounter(get_redis_client())
+        hints = counter.get_many(self._keys(item))
+        if None in hints:
+            hints = self._write_hints(item, shard_stocks(item.pk))
+        if sum(hints) < qty:
+            raise SoldOut(sku=item.sku, requested=qty, remaining=sum(hints))
+
+        deadline = time.monotonic() + settings.FLASHSALE_LOCK_WAIT_MS / 1000
+        start = random.randrange(item.shard_count)
+        ring = [(start + step) % item.shard_count for step in range(item.shard_count)]
+
+        busy: list[int] = []
+        for index in ring:
+            if hints[index] < qty:
+                continue
+            lock = shard_lock(item, index)
+            if not lock.acquire(blocking=False):
+                busy.append(index)
+                continue
+            order = self._serve_locked(item, qty, record, {index: qty}, [lock])
+            if order is not None:
+                return order
+        for index in busy:
+            remaining_wait = deadline - time.monotonic()
+            if remaining_wait <= 0:
+                break
+            lock = shard_lock(item, index)
+            if not lock.acquire(blocking_timeout=remaining_wait):
+                continue
+            order = self._serve_locked(item, qty, record, {index: qty}, [lock])
+            if order is not None:
+                return order
+        if busy and time.monotonic() >= deadline:
+            raise Busy(
+                f"{item.sku}: every shard holding {qty} stayed locked",
+                retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+            )
+        return self._serve_from_all(item, qty, record, deadline)
+
+    def _serve_from_all(self, item: Item, qty: int, record: RecordOrder, deadline: float) -> Order:
+        locks: list[Lock] = []
+        try:
+            for index in range(item.shard_count):
+                lock = shard_lock(item, index)
+                if not lock.acquire(blocking_timeout=max(deadline - time.monotonic(), 0.001)):
+                    raise Busy(
+                        f"{item.sku}: could not lock every shard in time",
+                        retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+                    )
+                locks.append(lock)
+            levels = shard_stocks(item.pk)
+            if sum(levels.values()) < qty:
+                self._write_hints(item, levels)
+                raise SoldOut(sku=item.sku, requested=qty, remaining=sum(levels.values()))
+            plan: dict[int, int] = {}
+            needed = qty
+            for index in sorted(levels):
+                if needed and levels[index]:
+                    plan[index] = min(levels[index], needed)
+                    needed -= plan[index]
+            order = self._serve(item, qty, record, plan, locks)
+            if order is None:  # only a write outside the locks (the fallback) can cause this
+                raise Busy(
+                    f"{item.sku}: shards changed under their locks",
+                    retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+                )
+            return order
+        finally:
+            for lock in reversed(locks):
+                release_quietly(lock)
+
+    def _serve_locked(
+        self, item: Item, qty: int, record: RecordOrder, plan: dict[int, int], locks: list[Lock]
+    ) -> Order | None:
+        try:
+            return self._serve(item, qty, record, plan, locks)
+        finally:
+            for lock in locks:
+                release_quietly(lock)
+
+    def _serve(
+        self, item: Item, qty: int, record: RecordOrder, plan: dict[int, int], locks: list[Lock]
+    ) -> Order | None:
+        """Take the planned units in one transaction; None if a shard was short (hint fixed)."""
+        try:
+            with transaction.atomic():
+                simulate_work()
+                if not take_item_units(item.pk, qty):
+                    raise SoldOut(sku=item.sku, requested=qty)
+                levels = {}
+                for index, units in sorted(plan.items()):
+                    left = take_shard_units(item.pk, index, units)
+                    if left is None:
+                        raise _ShardShort(index)
+                    levels[index] = left
+                order = record(Allocation(strategy=self.name, shard_units=plan))
+                for lock in locks:
+                    ensure_still_held(lock, item.sku)
+        except _ShardShort as short:
+            self._write_hints_quietly(item, {short.index: shard_stocks(item.pk)[short.index]})
+            return None
+        except SoldOut:
+            self._write_hints_quietly(item, shard_stocks(item.pk))
+            raise
+        self._write_hints_quietly(item, levels)
+        return order
+
+    def _write_hints(self, item: Item, levels: dict[int, int]) -> list[int]:
+        client = get_redis_client()
+        client.mset({shard_key(item, index): units for index, units in levels.items()})
+        return [levels.get(index, 0) for index in range(item.shard_count)]
+
+    def _write_hints_quietly(self, item: Item, levels: dict[int, int]) -> None:
+        try:
+            self._write_hints(item, levels)
+        except REDIS_DOWN_ERRORS as exc:
+            breaker.record_failure(exc)
+            logger.warning("could not update %s shard hints: Redis is down", item.sku)
+
+    def sync_redis(self, *, item: Item) -> None:
+        if item.shard_count:
+            self._write_hints(item, shard_stocks(item.pk))
+
+    def redis_stock(self, *, item: Item) -> int | None:
+        if not item.shard_count:
+            return None
+        hints = StockCounter(get_redis_client()).get_many(self._keys(item))
+        return None if None in hints else sum(hints)

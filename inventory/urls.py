@@ -1,0 +1,9 @@
+from django.urls import path
+
+from . import api
+
+urlpatterns = [
+    path("items/<str:sku>", api.item_detail, name="api-item"),
+    path("checkout", api.checkout, name="api-checkout"),
+    path("orders/<int:order_id>", api.order_detail, name="api-order"),
+]

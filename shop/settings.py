@@ -1,0 +1,145 @@
+"""flashsale settings, read from the environment (12-factor).
+
+Required: DATABASE_URL. Optional: REDIS_URL (default redis://127.0.0.1:6379/0),
+CELERY_BROKER_URL (default REDIS_URL), DJANGO_SECRET_KEY, DJANGO_DEBUG, DJANGO_ALLOWED_HOSTS and the
+FLASHSALE_* knobs below. `make test|serve|demo` start embedded PostgreSQL and Redis when the first
+two are unset.
+"""
+
+from pathlib import Path
+
+import environ
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+env = environ.Env()
+
+SECRET_KEY = env.str("DJANGO_SECRET_KEY", default="flashsale-insecure-development-key")
+DEBUG = env.bool("DJANGO_DEBUG", default=False)
+ALLOWED_HOSTS = env.list(
+    "DJANGO_ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "[::1]", "testserver"]
+)
+CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "inventory",
+    "shop",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "shop.urls"
+WSGI_APPLICATION = "shop.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+if "DATABASE_URL" not in env:
+    raise ImproperlyConfigured(
+        "DATABASE_URL is not set. Run through `make serve`, `make test` or `make demo` (they "
+        "start an embedded PostgreSQL), or `python -m shop.devservices -- COMMAND`, or set "
+        "DATABASE_URL=postgres://USER@HOST:5432/NAME."
+    )
+DATABASES = {"default": env.db("DATABASE_URL")}
+DATABASES["default"]["CONN_MAX_AGE"] = env.int("DJANGO_CONN_MAX_AGE", default=60)
+DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = BASE_DIR / ".data" / "static"
+WHITENOISE_USE_FINDERS = True
+
+# A checkout body is a few dozen bytes; anything near this is abuse.
+DATA_UPLOAD_MAX_MEMORY_SIZE = env.int("FLASHSALE_MAX_BODY_BYTES", default=16 * 1024)
+
+LOGIN_URL = "admin:login"
+
+# --- Redis -------------------------------------------------------------------------------------
+REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
+# Short timeouts so a hung Redis costs a checkout well under a second before the fallback.
+REDIS_SOCKET_TIMEOUT = env.float("FLASHSALE_REDIS_TIMEOUT", default=0.5)
+REDIS_CONNECT_TIMEOUT = env.float("FLASHSALE_REDIS_CONNECT_TIMEOUT", default=0.5)
+
+# --- Celery ------------------------------------------------------------------------------------
+CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default=REDIS_URL)
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+
+# --- flashsale ---------------------------------------------------------------------------------
+FLASHSALE_DEFAULT_STRATEGY = env.str("FLASHSALE_DEFAULT_STRATEGY", default="lock")
+FLASHSALE_STRATEGIES = {
+    "lock": "inventory.strategies.lock.LockStrategy",
+    "segmented": "inventory.strategies.segmented.SegmentedStrategy",
+    "lua": "inventory.strategies.lua.LuaStrategy",
+    "optimistic": "inventory.strategies.optimistic.OptimisticStrategy",
+    "unsafe": "inventory.strategies.unsafe.UnsafeStrategy",
+}
+# Every Redis key the shop writes starts with this (tests use their own).
+FLASHSALE_REDIS_PREFIX = env.str("FLASHSALE_REDIS_PREFIX", default="flashsale")
+FLASHSALE_SHARDS = env.int("FLASHSALE_SHARDS", default=10)
+FLASHSALE_MAX_QTY = env.int("FLASHSALE_MAX_QTY", default=100)
+# Lock: time to live, how long a buyer waits for it, and whether a watchdog renews it.
+FLASHSALE_LOCK_TTL_MS = env.int("FLASHSALE_LOCK_TTL_MS", default=5000)
+FLASHSALE_LOCK_WAIT_MS = env.int("FLASHSALE_LOCK_WAIT_MS", default=5000)
+FLASHSALE_LOCK_WATCHDOG = env.bool("FLASHSALE_LOCK_WATCHDOG", default=True)
+# Optimistic: how many version-checked attempts before answering busy.
+FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS = env.int("FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS", default=60)
+# Circuit breaker: how often a process probes Redis while it is down.
+FLASHSALE_BREAKER_PROBE_SECONDS = env.float("FLASHSALE_BREAKER_PROBE_SECONDS", default=1.0)
+# Seconds a client is told to wait after `503 busy`.
+FLASHSALE_BUSY_RETRY_AFTER = env.int("FLASHSALE_BUSY_RETRY_AFTER", default=1)
+# Simulated work inside each critical section (ms); for demonstrating lock expiry and races.
+FLASHSALE_HOLD_DELAY_MS = env.int("FLASHSALE_HOLD_DELAY_MS", default=0)
+# Delay between the read and the write of `unsafe` (ms): widens its race window.
+FLASHSALE_UNSAFE_DELAY_MS = env.int("FLASHSALE_UNSAFE_DELAY_MS", default=0)
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env.str("DJANGO_LOG_LEVEL", default="WARNING")},
+    "loggers": {
+        "inventory": {"level": env.str("FLASHSALE_LOG_LEVEL", default="INFO")},
+    },
+}

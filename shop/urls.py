@@ -1,0 +1,15 @@
+from django.contrib import admin
+from django.urls import include, path
+
+from inventory import api
+
+from . import views
+
+urlpatterns = [
+    path("", views.item_list, name="item-list"),
+    path("items/<str:sku>/", views.item_page, name="item"),
+    path("orders/<int:order_id>/", views.order_page, name="order"),
+    path("api/", include("inventory.urls")),
+    path("healthz", api.healthz, name="healthz"),
+    path("admin/", admin.site.urls),
+]
