@@ -237,11 +237,15 @@ class EmbeddedPostgres:
             self.server = pgserver.get_server(self.pgdata, cleanup_mode="stop")
             info = self.server.get_postmaster_info()
         except Exception as exc:
-            detail = getattr(exc, "stderr", None) or ""
+            if isinstance(exc, subprocess.CalledProcessError):
+                what = f"{Path(exc.cmd[0]).name} {exc.cmd[-1]} exited with status {exc.returncode}"
+            elif isinstance(exc, subprocess.TimeoutExpired):
+                what = f"{Path(exc.cmd[0]).name} {exc.cmd[-1]} timed out after {exc.timeout} s"
+            else:
+                what = f"{type(exc).__name__}: {exc}"
             raise DevServicesError(
-                f"embedded PostgreSQL (pgserver) failed to start in {self.pgdata}: {exc}\n"
-                + (f"{detail.strip()}\n" if isinstance(detail, str) and detail.strip() else "")
-                + f"--- last lines of {log} ---\n{tail(log)}"
+                f"embedded PostgreSQL (pgserver) failed to start in {self.pgdata}: {what}\n"
+                f"--- last lines of {log} ---\n{tail(log, 15)}"
             ) from exc
         if info.socket_dir is None or info.port is None:
             raise DevServicesError(f"embedded PostgreSQL in {self.pgdata} has no unix socket")
