@@ -1,0 +1,62 @@
+# flashsale: every target runs in .venv, created and kept in step with requirements.txt.
+# Without DATABASE_URL / REDIS_URL in the environment, test, serve and demo start an embedded
+# PostgreSQL and Redis (python -m shop.devservices) and stop them afterwards.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+RUN := $(PY) -m shop.devservices --
+
+HOST ?= 127.0.0.1
+PORT ?= 8000
+WORKERS ?= 4
+PYTEST_ARGS ?=
+DEMO_ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help venv test serve demo lint fmt clean
+
+help: ## list the targets
+	@echo "flashsale make targets:"
+	@awk 'BEGIN {FS = ":.*## "} /^[a-z]+:.*## / {printf "  %-7s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@echo "Variables: PYTEST_ARGS, DEMO_ARGS, HOST/PORT/WORKERS (serve), PYTHON (bootstrap)."
+	@echo "DATABASE_URL / REDIS_URL unset => embedded PostgreSQL / Redis with data in .data/."
+
+venv: $(STAMP) ## create .venv and install requirements.txt (done by every target)
+
+$(STAMP): requirements.txt
+	@command -v $(PYTHON) >/dev/null 2>&1 || { \
+	  echo "error: '$(PYTHON)' not found; flashsale needs Python >= 3.11 (make PYTHON=/path/to/python3.11 ...)" >&2; exit 1; }
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
+	  echo "error: flashsale needs Python >= 3.11, but $(PYTHON) is $$($(PYTHON) -V 2>&1); use make PYTHON=/path/to/python3.11 ..." >&2; exit 1; }
+	@if [ -x $(PY) ] && ! $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then \
+	  echo "$(VENV) is broken or older than Python 3.11: recreating it"; rm -rf $(VENV); fi
+	@[ -x $(PY) ] || { echo "creating $(VENV) with $$($(PYTHON) -V 2>&1)"; $(PYTHON) -m venv $(VENV); }
+	$(PY) -m pip install --disable-pip-version-check --progress-bar off -r requirements.txt
+	@touch $@
+
+test: $(STAMP) ## run pytest (PYTEST_ARGS="-k lock -x" ...)
+	$(RUN) $(PY) -m pytest $(PYTEST_ARGS)
+
+serve: $(STAMP) ## migrate, then serve on HOST:PORT (127.0.0.1:8000) plus a Celery worker; Ctrl-C stops
+	$(RUN) $(PY) -m shop.serve --host $(HOST) --port $(PORT) --workers $(WORKERS)
+
+demo: $(STAMP) ## run the load demo (DEMO_ARGS="..." passed to python -m loadtest.demo)
+	$(RUN) $(PY) -m loadtest.demo $(DEMO_ARGS)
+
+lint: $(STAMP) ## ruff check and ruff format --check
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+fmt: $(STAMP) ## ruff format, then ruff check --fix
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+clean: ## remove .venv and .data (refuses while a serve or embedded PostgreSQL still runs)
+	@if [ -f .data/serve.lock ] && command -v flock >/dev/null && ! flock -n .data/serve.lock true; then \
+	  echo "error: make serve is running ($$(cat .data/serve.lock)): stop it with Ctrl-C first" >&2; exit 1; fi
+	@if [ -f .data/postgres/postmaster.pid ] && kill -0 $$(head -n 1 .data/postgres/postmaster.pid) 2>/dev/null; then \
+	  echo "error: the embedded PostgreSQL (pid $$(head -n 1 .data/postgres/postmaster.pid)) still runs on .data/postgres:" \
+	    "stop the make test/serve/demo using it first (or kill that pid if it was left over)" >&2; exit 1; fi
+	rm -rf $(VENV) .data .pytest_cache .ruff_cache
