@@ -1,0 +1,27 @@
+# One image for the web (gunicorn) and worker (Celery) services of docker-compose.yml.
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    DJANGO_SETTINGS_MODULE=shop.settings
+
+WORKDIR /app
+
+# Dependencies first, so editing the code does not reinstall them.
+COPY requirements.txt ./
+RUN pip install -r requirements.txt
+
+COPY . .
+
+# Static files are collected at build time; settings need a DATABASE_URL to load but collectstatic
+# never connects to it.
+RUN DATABASE_URL=postgres://build@localhost/build python manage.py collectstatic --noinput \
+    && useradd --create-home --uid 10001 --user-group flashsale \
+    && mkdir -p /app/.data && chown -R flashsale:flashsale /app/.data
+
+USER flashsale
+
+EXPOSE 8000
+CMD ["gunicorn", "shop.wsgi:application", "--bind", "0.0.0.0:8000", "--access-logfile", "-"]
