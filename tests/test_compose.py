@@ -1,0 +1,286 @@
+"""docker-compose.yml and the Dockerfile stay in step with the project (Docker is not run).
+
+Every command the services run must name a real entry point of this checkout: gunicorn's
+`module:attr`, Celery's `-A` app and `manage.py` commands are resolved from the source files
+(parsed, not imported: no database or settings needed).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+APP_ENV = {
+    "DATABASE_URL",
+    "REDIS_URL",
+    "CELERY_BROKER_URL",
+    "DJANGO_SECRET_KEY",
+    "DJANGO_DEBUG",
+    "DJANGO_ALLOWED_HOSTS",
+}
+
+pytestmark = pytest.mark.embedded_smoke
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+@pytest.fixture(scope="module")
+def services(compose) -> dict:
+    return compose["services"]
+
+
+# ----------------------------------------------------------------------- resolving entry points
+
+
+def module_file(dotted: str) -> Path | None:
+    """The source file of a project module, found without importing anything."""
+    base = ROOT.joinpath(*dotted.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def top_level_names(tree: ast.Module) -> dict[str, ast.AST]:
+    """Names bound at module level (assignments, defs, classes, imports) -> binding node."""
+    names: dict[str, ast.AST] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    names[target.id] = node
+        elif isinstance(node, ast.AnnAssign | ast.AugAssign) and isinstance(node.target, ast.Name):
+            names[node.target.id] = node
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names[node.name] = node
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            for alias in node.names:
+                names[alias.asname or alias.name.split(".")[0]] = node
+    return names
+
+
+def assert_module_attr(spec: str) -> None:
+    module, _, attr = spec.partition(":")
+    assert attr, f"{spec!r} is not module:attr"
+    path = module_file(module)
+    assert path is not None, f"{spec}: no module {module} in the project (expected {module}.py)"
+    assert attr in top_level_names(parse(path)), f"{spec}: {path.name} does not define {attr}"
+
+
+def is_celery_call(node: ast.AST) -> bool:
+    value = getattr(node, "value", None)
+    if not isinstance(value, ast.Call):
+        return False
+    func = value.func
+    name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+    return name == "Celery"
+
+
+def assert_celery_app(app: str) -> None:
+    if ":" in app:  # -A package.module:attr
+        module, _, attr = app.partition(":")
+        path = module_file(module)
+        assert path is not None, f"celery -A {app}: no module {module}"
+        binding = top_level_names(parse(path)).get(attr)
+        assert binding is not None and is_celery_call(binding), f"{path}: {attr} is not Celery()"
+        return
+    # -A package: Celery looks for package.celery and the app the package exports from it.
+    package_init = module_file(app)
+    assert package_init is not None and package_init.name == "__init__.py", f"no package {app}"
+    celery_py = package_init.parent / "celery.py"
+    assert celery_py.is_file(), f"celery -A {app}: {celery_py.relative_to(ROOT)} is missing"
+    apps = {
+        name: node
+        for name, node in top_level_names(parse(celery_py)).items()
+        if is_celery_call(node)
+    }
+    assert apps, f"{celery_py.relative_to(ROOT)} defines no Celery(...) app"
+    for name, node in apps.items():
+        main = node.value.args[0] if node.value.args else None
+        assert isinstance(main, ast.Constant) and main.value == app, (
+            f"{celery_py.relative_to(ROOT)}: {name} = Celery(...) is not named {app!r}"
+        )
+    exported = [
+        alias.name
+        for node in parse(package_init).body
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module == "celery"
+        for alias in node.names
+    ]
+    assert set(exported) & set(apps), (
+        f"{package_init.relative_to(ROOT)} must import the Celery app ({', '.join(apps)}) "
+        f"from .celery; it imports {exported or 'nothing'} from it"
+    )
+
+
+def django_commands() -> set[str]:
+    spec = importlib.util.find_spec("django")
+    assert spec is not None and spec.submodule_search_locations
+    django_dir = Path(next(iter(spec.submodule_search_locations)))
+    folders = [django_dir / "core" / "management" / "commands"]
+    folders += django_dir.glob("contrib/*/management/commands")
+    folders += ROOT.glob("*/management/commands")
+    return {
+        path.stem for folder in folders for path in folder.glob("*.py") if path.stem != "__init__"
+    }
+
+
+def shell_commands(command) -> list[list[str]]:
+    """Each simple command a compose `command` / healthcheck `test` runs, as argv lists."""
+    if isinstance(command, str):
+        command = ["sh", "-c", command]
+    if command and command[0] in ("CMD", "CMD-SHELL"):
+        command = command[1:] if command[0] == "CMD" else ["sh", "-c", *command[1:]]
+    if len(command) >= 3 and command[0] in ("sh", "bash", "/bin/sh") and command[1] == "-c":
+        script = command[2].replace("$$", "$")
+        return [
+            argv[1:] if argv[:1] == ["exec"] else argv
+            for part in re.split(r"&&|\|\||;|\n", script)
+            if (argv := shlex.split(part))
+        ]
+    return [list(command)]
+
+
+def check_entry_points(command, commands: set[str]) -> set[str]:
+    """Assert every project entry point named in `command` resolves; return the kinds seen."""
+    seen = set()
+    for argv in shell_commands(command):
+        words = argv
+        if Path(words[0]).name.startswith("python"):  # python manage.py ..., python -m celery
+            words = words[1:]
+            if words[:1] == ["-m"]:
+                words = words[1:]
+        program = Path(words[0]).name if words else ""
+        if program == "gunicorn":
+            apps = [w for w in words[1:] if ":" in w and not w.startswith("-")]
+            assert apps, f"gunicorn without module:attr in {argv}"
+            assert_module_attr(apps[0])
+            seen.add("gunicorn")
+        elif program == "celery":
+            flag = next((i for i, w in enumerate(words) if w in ("-A", "--app")), None)
+            inline = [w.split("=", 1)[1] for w in words if w.startswith("--app=")]
+            assert flag is not None or inline, f"celery without -A in {argv}"
+            assert_celery_app(inline[0] if inline else words[flag + 1])
+            seen.add("celery")
+        elif program == "manage.py":
+            assert (ROOT / "manage.py").is_file(), "manage.py is missing"
+            name = next(w for w in words[1:] if not w.startswith("-"))
+            assert name in commands, f"manage.py {name}: no such Django command"
+            seen.add(f"manage.py {name}")
+    return seen
+
+
+# ------------------------------------------------------------------------------------- tests
+
+
+def test_services_exist_with_healthchecks(services):
+    assert {"postgres", "redis", "web", "worker"} <= set(services)
+    for name in ("postgres", "redis", "web", "worker"):
+        test = services[name].get("healthcheck", {}).get("test")
+        assert test, f"{name} has no healthcheck"
+    assert services["postgres"]["image"].startswith("postgres:16")
+    assert "pg_isready" in " ".join(services["postgres"]["healthcheck"]["test"])
+    assert services["redis"]["image"] == "redis:7-alpine"
+    assert "redis-cli ping" in " ".join(services["redis"]["healthcheck"]["test"])
+    web_check = " ".join(services["web"]["healthcheck"]["test"])
+    assert "urllib" in web_check and "/healthz" in web_check
+    assert "inspect ping" in " ".join(services["worker"]["healthcheck"]["test"])
+
+
+@pytest.mark.parametrize("name", ["web", "worker"])
+def test_app_services_wait_for_healthy_postgres_and_redis(services, name):
+    depends = services[name]["depends_on"]
+    for dependency in ("postgres", "redis"):
+        assert depends[dependency]["condition"] == "service_healthy", (name, dependency)
+
+
+@pytest.mark.parametrize("name", ["web", "worker"])
+def test_app_services_get_their_configuration_from_the_environment(services, name):
+    env = services[name]["environment"]
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    assert APP_ENV <= set(env), APP_ENV - set(env)
+    assert str(env["DJANGO_DEBUG"]) in ("0", "False", "false")
+    assert "@postgres:5432/" in env["DATABASE_URL"]
+    assert env["REDIS_URL"].startswith("redis://redis:6379")
+
+
+def test_web_and_worker_share_one_image(services):
+    web, worker = services["web"], services["worker"]
+    assert web.get("build") == worker.get("build")
+    assert web.get("image") == worker.get("image")
+    assert web.get("build") or web.get("image")
+    build = web.get("build")
+    if build is not None:
+        context = build if isinstance(build, str) else build.get("context", ".")
+        dockerfile = (
+            "Dockerfile" if isinstance(build, str) else build.get("dockerfile", "Dockerfile")
+        )
+        assert (ROOT / context / dockerfile).is_file()
+
+
+def test_web_migrates_then_serves_the_wsgi_app_on_8000(services):
+    web = services["web"]
+    seen = check_entry_points(web["command"], django_commands())
+    assert {"manage.py migrate", "gunicorn"} <= seen, seen
+    steps = shell_commands(web["command"])
+    assert any("0.0.0.0:8000" in argv for argv in steps), steps
+    assert any(str(port).split(":")[-1] == "8000" for port in web["ports"])
+
+
+def test_worker_runs_the_celery_app(services):
+    commands = django_commands()
+    assert "celery" in check_entry_points(services["worker"]["command"], commands)
+    assert "celery" in check_entry_points(services["worker"]["healthcheck"]["test"], commands)
+
+
+def test_every_service_command_names_a_real_entry_point(services):
+    commands = django_commands()
+    for service in services.values():
+        for command in (service.get("command"), service.get("healthcheck", {}).get("test")):
+            if command:
+                check_entry_points(command, commands)
+
+
+def test_dockerfile_installs_requirements_and_runs_as_non_root():
+    lines = [
+        line.strip()
+        for line in (ROOT / "Dockerfile").read_text().replace("\\\n", " ").splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    instructions = [(line.split()[0].upper(), line.split(None, 1)[1]) for line in lines]
+    assert instructions[0] == ("FROM", "python:3.11-slim")
+    copies = [args for op, args in instructions if op == "COPY"]
+    assert any("requirements.txt" in args.split() for args in copies), copies
+    assert any(args.split()[0] == "." for args in copies), "the project is not copied"
+    runs = " ".join(args for op, args in instructions if op == "RUN")
+    assert re.search(r"pip install (.* )?-r requirements\.txt", runs), runs
+    users = [args for op, args in instructions if op == "USER"]
+    assert users and users[-1] not in ("root", "0"), "the image must not run as root"
+    # The Dockerfile's own CMD must name real entry points too.
+    cmd = [args for op, args in instructions if op == "CMD"]
+    if cmd:
+        argv = yaml.safe_load(cmd[-1]) if cmd[-1].startswith("[") else cmd[-1]
+        check_entry_points(argv, django_commands())
+
+
+def test_dockerignore_keeps_local_state_out_of_the_image():
+    ignored = {
+        line.strip().rstrip("/")
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    assert {".git", ".venv", ".data"} <= ignored
