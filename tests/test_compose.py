@@ -77,7 +77,9 @@ def assert_module_attr(spec: str) -> None:
     module, _, attr = spec.partition(":")
     assert attr, f"{spec!r} is not module:attr"
     path = module_file(module)
-    assert path is not None, f"{spec}: no module {module} in the project (expected {module}.py)"
+    assert path is not None, (
+        f"{spec}: no module {module} in the project (expected {module.replace('.', '/')}.py)"
+    )
     assert attr in top_level_names(parse(path)), f"{spec}: {path.name} does not define {attr}"
 
 
