@@ -8,6 +8,7 @@ of them can never deadlock.
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass
 
@@ -81,6 +82,15 @@ def split_stock(total: int, shard_count: int) -> list[int]:
     """Split total units over shard_count shards as evenly as possible, the first ones larger."""
     base, extra = divmod(total, shard_count)
     return [base + (1 if index < extra else 0) for index in range(shard_count)]
+
+
+_BACKOFF_BASE_SECONDS = 0.001
+_BACKOFF_CAP_SECONDS = 0.025
+
+
+def back_off(attempt: int) -> None:
+    """Sleep a random, growing while (full jitter) before retrying a write that lost a race."""
+    time.sleep(random.uniform(0, min(_BACKOFF_CAP_SECONDS, _BACKOFF_BASE_SECONDS * 2**attempt)))
 
 
 def simulate_work() -> None:

@@ -122,6 +122,9 @@ FLASHSALE_MAX_QTY = env.int("FLASHSALE_MAX_QTY", default=100)
 FLASHSALE_LOCK_TTL_MS = env.int("FLASHSALE_LOCK_TTL_MS", default=5000)
 FLASHSALE_LOCK_WAIT_MS = env.int("FLASHSALE_LOCK_WAIT_MS", default=5000)
 FLASHSALE_LOCK_WATCHDOG = env.bool("FLASHSALE_LOCK_WATCHDOG", default=True)
+# Pitfall toggle: False makes `lock` write back the stock it read instead of a version-checked
+# UPDATE, which oversells as soon as a lock expires mid-work. Never turn off outside a demo.
+FLASHSALE_LOCK_GUARDED_WRITE = env.bool("FLASHSALE_LOCK_GUARDED_WRITE", default=True)
 # Optimistic: how many version-checked attempts before answering busy.
 FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS = env.int("FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS", default=60)
 # Circuit breaker: how often a process probes Redis while it is down.
@@ -141,5 +144,7 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": env.str("DJANGO_LOG_LEVEL", default="WARNING")},
     "loggers": {
         "inventory": {"level": env.str("FLASHSALE_LOG_LEVEL", default="INFO")},
+        # 409 sold_out is the normal answer of a flash sale, not a warning.
+        "django.request": {"level": "ERROR"},
     },
 }

@@ -13,10 +13,12 @@ from ..breaker import breaker
 from ..exceptions import Busy, SoldOut
 from ..models import Item, Order
 from ..redis_client import REDIS_DOWN_ERRORS, get_redis_client, redis_key
-from ..stock import read_stock, simulate_work, take_item_units
+from ..stock import back_off, read_stock, simulate_work, take_item_units
 from .base import Allocation, RecordOrder, StockStrategy
 
 logger = logging.getLogger(__name__)
+
+_CONFLICT_RETRIES = 10
 
 
 def new_lock(name: str) -> Lock:
@@ -69,19 +71,37 @@ class LockStrategy(StockStrategy):
                 retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
             )
         try:
-            with transaction.atomic():
-                seen = read_stock(item.pk)
-                if seen.stock < qty:
-                    raise SoldOut(sku=item.sku, requested=qty, remaining=seen.stock)
-                simulate_work()
-                # The version check makes a lock that expired mid-work harmless.
-                if not take_item_units(item.pk, qty, expected_version=seen.version):
-                    raise Busy(
-                        f"{item.sku}: another holder wrote first (the lock expired mid-work)",
-                        retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
-                    )
-                order = record(Allocation(strategy=self.name))
-                ensure_still_held(lock, item.sku)
-            return order
+            # Under the lock a version conflict means a write from outside it: the database
+            # fallback of another process while Redis recovers, or a holder whose lock expired.
+            for attempt in range(_CONFLICT_RETRIES):
+                order = self._take_locked(item, qty, record, lock)
+                if order is not None:
+                    return order
+                back_off(attempt)
+            raise Busy(
+                f"{item.sku}: stock kept changing outside the lock",
+                retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+            )
         finally:
             release_quietly(lock)
+
+    def _take_locked(self, item: Item, qty: int, record: RecordOrder, lock: Lock) -> Order | None:
+        """One read-check-write under the lock; None when the version moved meanwhile."""
+        with transaction.atomic():
+            seen = read_stock(item.pk)
+            if seen.stock < qty:
+                raise SoldOut(sku=item.sku, requested=qty, remaining=seen.stock)
+            simulate_work()
+            if settings.FLASHSALE_LOCK_GUARDED_WRITE:
+                # The version check makes a lock that expired mid-work harmless.
+                if not take_item_units(item.pk, qty, expected_version=seen.version):
+                    return None
+            else:
+                # Pitfall toggle: trust the lock and write back what was read, as naive code
+                # does. Once a lock expires mid-work, two holders overlap and it oversells.
+                Item.objects.filter(pk=item.pk).update(
+                    stock=seen.stock - qty, version=seen.version + 1
+                )
+            order = record(Allocation(strategy=self.name))
+            ensure_still_held(lock, item.sku)
+        return order

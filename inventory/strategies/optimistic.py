@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import random
-import time
-
 from django.conf import settings
 from django.db import transaction
 
 from ..exceptions import Busy, SoldOut
 from ..models import Item, Order
-from ..stock import read_stock, simulate_work, take_from_shards, take_item_units
+from ..stock import back_off, read_stock, simulate_work, take_from_shards, take_item_units
 from .base import Allocation, RecordOrder, StockStrategy
-
-_BACKOFF_BASE_SECONDS = 0.001
-_BACKOFF_CAP_SECONDS = 0.025
 
 
 class OptimisticStrategy(StockStrategy):
@@ -37,9 +31,7 @@ class OptimisticStrategy(StockStrategy):
                 if take_item_units(item.pk, qty, expected_version=seen.version):
                     shard_units = take_from_shards(item.pk, qty) if item.shard_count else None
                     return record(Allocation(strategy=self.name, shard_units=shard_units))
-            # Someone else wrote first: back off a random, growing while before reading again.
-            ceiling = min(_BACKOFF_CAP_SECONDS, _BACKOFF_BASE_SECONDS * 2**attempt)
-            time.sleep(random.uniform(0, ceiling))
+            back_off(attempt)
         raise Busy(
             f"{item.sku}: stock changed under {attempts} attempts in a row",
             retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
