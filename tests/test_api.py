@@ -1,0 +1,180 @@
+"""The HTTP API and the management commands, as PRODUCT.md states them."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from django.core.management import call_command
+from django.db import connection
+from django.test import Client
+
+from inventory.models import Item, Order
+from inventory.services import start_sale
+
+pytestmark = pytest.mark.django_db
+
+
+def _checkout(client, **body):
+    return client.post("/api/checkout", body, content_type="application/json")
+
+
+@pytest.mark.parametrize("strategy", ["lock", "segmented", "lua", "optimistic", "unsafe"])
+def test_item_checkout_and_order_round_trip(client, strategy):
+    start_sale(sku="widget", stock=5, strategy=strategy, price=12)
+
+    item = client.get("/api/items/widget").json()
+    assert item["sku"] == "widget" and item["stock"] == 5 and item["strategy"] == strategy
+    assert item["price"] == "12.00" and item["initial_stock"] == 5
+
+    response = _checkout(client, sku="widget", qty=2, buyer="ann")
+    assert response.status_code == 201
+    created = response.json()
+    assert created["status"] == "pending" and created["qty"] == 2 and created["sku"] == "widget"
+    assert response["Location"] == f"/api/orders/{created['order']}"
+
+    order = client.get(f"/api/orders/{created['order']}").json()
+    assert order["order"] == created["order"] and order["buyer"] == "ann"
+    assert client.get("/api/items/widget").json()["stock"] == 3
+
+
+def test_sold_out_is_409(client):
+    start_sale(sku="widget", stock=1, strategy="lua")
+    assert _checkout(client, sku="widget", qty=1, buyer="ann").status_code == 201
+    response = _checkout(client, sku="widget", qty=1, buyer="bob")
+    assert response.status_code == 409 and response.json()["error"] == "sold_out"
+
+
+def test_same_idempotency_key_returns_the_same_order(client):
+    start_sale(sku="widget", stock=5, strategy="lua")
+    first = _checkout(client, sku="widget", qty=1, buyer="ann", idempotency_key="k-1")
+    again = _checkout(client, sku="widget", qty=1, buyer="ann", idempotency_key="k-1")
+    assert first.status_code == again.status_code == 201
+    assert first.json() == again.json()
+    assert again["Idempotent-Replayed"] == "true"
+    assert Order.objects.count() == 1
+    assert Item.objects.get(sku="widget").stock == 4
+
+    reused = _checkout(client, sku="widget", qty=2, buyer="ann", idempotency_key="k-1")
+    assert reused.status_code == 400 and reused.json()["error"] == "invalid"
+    assert Item.objects.get(sku="widget").stock == 4
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("strategy", ["lock", "segmented", "lua", "optimistic"])
+def test_concurrent_retries_with_one_key_make_one_order(strategy):
+    start_sale(sku="widget", stock=50, strategy=strategy)
+
+    def attempt(_):
+        try:
+            response = _checkout(Client(), sku="widget", qty=1, buyer="ann", idempotency_key="k")
+            return response.status_code, response.content
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(attempt, range(12)))
+    assert {status for status, _ in answers} == {201}
+    assert len({body for _, body in answers}) == 1
+    assert Order.objects.count() == 1
+    assert Item.objects.get(sku="widget").stock == 49
+    call_command("sale", "audit", "widget", "--json")
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("strategy", ["lock", "segmented", "lua", "optimistic"])
+def test_one_buyer_never_passes_the_limit(strategy):
+    start_sale(sku="widget", stock=50, strategy=strategy, limit=1)
+
+    def attempt(number):
+        try:
+            return _checkout(Client(), sku="widget", qty=1, buyer="ann").json().get("error")
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(10) as pool:
+        errors = list(pool.map(attempt, range(10)))
+    assert errors.count(None) == 1
+    assert errors.count("limit_reached") == 9
+    assert Order.objects.count() == 1
+    assert Item.objects.get(sku="widget").stock == 49
+
+
+@pytest.mark.parametrize("qty", [5, 7, 13])
+def test_segmented_serves_more_than_one_shard_holds(client, qty):
+    # 50 units over 10 shards: 5 per shard, so 7 and 13 need several shards
+    start_sale(sku="widget", stock=50, strategy="segmented")
+    sold = 0
+    while True:
+        response = _checkout(client, sku="widget", qty=qty, buyer=f"b{sold}")
+        if response.status_code != 201:
+            assert response.json()["error"] == "sold_out"
+            break
+        sold += qty
+    assert sold == 50 - 50 % qty
+    audit = _audit()
+    assert audit["accepted_units"] == sold and audit["db_stock"] == 50 % qty
+    assert audit["shard_stock"] == audit["redis_stock"] == 50 % qty
+    assert audit["consistent"]
+
+
+def _audit(sku="widget"):
+    from io import StringIO
+
+    out = StringIO()
+    call_command("sale", "audit", sku, "--json", stdout=out)
+    return json.loads(out.getvalue())
+
+
+def test_sale_start_and_audit_commands(django_capture_on_commit_callbacks):
+    from io import StringIO
+
+    out = StringIO()
+    with django_capture_on_commit_callbacks(execute=True):
+        call_command("sale", "start", "widget", "--stock", "20", "--strategy", "lua", stdout=out)
+    assert "20 units through lua" in out.getvalue()
+    Client().post("/api/checkout", {"sku": "widget", "qty": 3, "buyer": "ann"}, "application/json")
+    audit = _audit()
+    assert {
+        "sku",
+        "strategy",
+        "initial_stock",
+        "accepted_units",
+        "oversold",
+        "remaining",
+        "db_stock",
+        "redis_stock",
+        "orders_by_status",
+    } <= set(audit)
+    assert audit["initial_stock"] == 20 and audit["accepted_units"] == 3
+    assert audit["remaining"] == 17 and audit["db_stock"] == audit["redis_stock"] == 17
+    assert audit["orders_by_status"]["pending"] == 1
+
+    # restarting clears the earlier orders and resets stock, strategy and Redis
+    with django_capture_on_commit_callbacks(execute=True):
+        call_command("sale", "start", "widget", "--stock", "8", "--strategy", "segmented")
+    audit = _audit()
+    assert audit["strategy"] == "segmented" and audit["accepted_units"] == 0
+    assert audit["db_stock"] == audit["redis_stock"] == audit["shard_stock"] == 8
+    assert Order.objects.count() == 0
+
+
+def test_healthz_reports_database_and_redis(client):
+    response = client.get("/healthz")
+    assert response.status_code == 200
+    assert response.json() == {
+        "database": "ok",
+        "redis": "ok",
+        "fallback_active": False,
+        "ok": True,
+    }
+
+
+def test_healthz_reports_redis_down(client, settings):
+    from tests.support.redis_server import free_port
+
+    settings.REDIS_URL = f"redis://127.0.0.1:{free_port()}/0"
+    state = client.get("/healthz").json()
+    assert state["database"] == "ok" and state["redis"].startswith("down")
+    assert state["fallback_active"] is True

@@ -1,0 +1,127 @@
+"""Invariant 6: bad input gets a clear JSON error and changes nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from inventory.models import BuyerAllowance, Item, Order, Sale
+from inventory.services import start_sale
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def item():
+    start_sale(sku="gadget", stock=10, strategy="optimistic", limit=3)
+    return Item.objects.get(sku="gadget")
+
+
+def _snapshot():
+    return (
+        list(Item.objects.values_list("sku", "stock", "version", "strategy")),
+        Order.objects.count(),
+        BuyerAllowance.objects.count(),
+        Sale.objects.count(),
+    )
+
+
+VALID = {"sku": "gadget", "qty": 1, "buyer": "ann"}
+
+BAD_BODIES = [
+    ("malformed JSON", b'{"sku": "gadget", "qty": ', 400, "invalid"),
+    ("not an object", b"[1, 2]", 400, "invalid"),
+    ("empty body", b"", 400, "invalid"),
+    ("not UTF-8", b"\xff\xfe{}", 400, "invalid"),
+    ("qty zero", {**VALID, "qty": 0}, 400, "invalid"),
+    ("qty negative", {**VALID, "qty": -1}, 400, "invalid"),
+    ("qty huge", {**VALID, "qty": 10**30}, 400, "invalid"),
+    ("qty a string", {**VALID, "qty": "2"}, 400, "invalid"),
+    ("qty a float", {**VALID, "qty": 1.5}, 400, "invalid"),
+    ("qty a boolean", {**VALID, "qty": True}, 400, "invalid"),
+    ("qty missing", {"sku": "gadget", "buyer": "ann"}, 400, "invalid"),
+    ("buyer missing", {"sku": "gadget", "qty": 1}, 400, "invalid"),
+    ("buyer blank", {**VALID, "buyer": "   "}, 400, "invalid"),
+    ("buyer too long", {**VALID, "buyer": "b" * 65}, 400, "invalid"),
+    ("buyer not a string", {**VALID, "buyer": 7}, 400, "invalid"),
+    ("buyer with a control character", {**VALID, "buyer": "a\nb"}, 400, "invalid"),
+    ("sku missing", {"qty": 1, "buyer": "ann"}, 400, "invalid"),
+    ("unknown sku", {**VALID, "sku": "nope"}, 404, "unknown_sku"),
+    ("unexpected field", {**VALID, "price": 0}, 400, "invalid"),
+    ("idempotency key not a string", {**VALID, "idempotency_key": 5}, 400, "invalid"),
+    ("idempotency key too long", {**VALID, "idempotency_key": "k" * 129}, 400, "invalid"),
+    ("over the per-buyer limit", {**VALID, "qty": 4}, 409, "limit_reached"),
+]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [case[1:] for case in BAD_BODIES],
+    ids=[case[0] for case in BAD_BODIES],
+)
+def test_a_bad_checkout_is_refused_and_changes_nothing(client, item, body, status, code):
+    before = _snapshot()
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = client.post("/api/checkout", raw, content_type="application/json")
+    assert response.status_code == status
+    payload = response.json()
+    assert payload["error"] == code
+    assert isinstance(payload["detail"], str) and payload["detail"]
+    assert _snapshot() == before
+
+
+def test_an_oversized_body_is_refused_and_changes_nothing(client, item):
+    before = _snapshot()
+    body = json.dumps({**VALID, "buyer": "x" * 20_000}).encode()
+    response = client.post("/api/checkout", body, content_type="application/json")
+    assert response.status_code == 413
+    assert response.json()["error"] == "too_large"
+    assert _snapshot() == before
+
+
+def test_asking_for_more_than_is_left_is_sold_out_and_changes_nothing(client, item):
+    Item.objects.filter(pk=item.pk).update(stock=2)
+    before = _snapshot()
+    response = client.post("/api/checkout", {**VALID, "qty": 3}, content_type="application/json")
+    assert response.status_code == 409
+    assert response.json()["error"] == "sold_out"
+    assert "only 2 left" in response.json()["detail"]
+    assert _snapshot() == before
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("get", "/api/checkout"), ("post", "/api/items/gadget"), ("delete", "/api/orders/1")],
+)
+def test_a_wrong_method_gets_405_json(client, item, method, path):
+    response = getattr(client, method)(path)
+    assert response.status_code == 405
+    assert response.json()["error"] == "method_not_allowed"
+
+
+def test_unknown_item_and_order_are_404_json(client, item):
+    assert client.get("/api/items/nope").json()["error"] == "unknown_sku"
+    response = client.get("/api/orders/999999")
+    assert response.status_code == 404
+    assert response.json()["error"] == "unknown_order"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["start", "gadget", "--stock", "-1", "--strategy", "lua"],
+        ["start", "gadget", "--stock", "5", "--strategy", "magic"],
+        ["start", "gadget", "--stock", "5", "--strategy", "lua", "--limit", "0"],
+        ["start", "bad sku!", "--stock", "5", "--strategy", "lua"],
+        ["start", "gadget", "--stock", "many", "--strategy", "lua"],
+        ["start", "gadget", "--stock", "5", "--strategy", "lua", "--price", "-3"],
+        ["audit", "nope"],
+    ],
+)
+def test_sale_command_refuses_bad_arguments_and_changes_nothing(item, args):
+    before = _snapshot()
+    with pytest.raises(CommandError):
+        call_command("sale", *args)
+    assert _snapshot() == before
