@@ -13,7 +13,7 @@ from django.test import Client
 from inventory.models import Item, Order
 from inventory.services import start_sale
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.embedded_smoke]
 
 
 def _checkout(client, **body):

@@ -10,7 +10,7 @@ from django.core.management import CommandError, call_command
 from inventory.models import BuyerAllowance, Item, Order, Sale
 from inventory.services import start_sale
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.embedded_smoke]
 
 
 @pytest.fixture

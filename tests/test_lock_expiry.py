@@ -20,7 +20,7 @@ from inventory.services import place_order, start_sale
 STOCK = 12
 THREADS = 6
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.embedded_smoke]
 
 
 def _buy_until_sold_out(sku: str, worker: int) -> tuple[int, int]:
