@@ -393,6 +393,31 @@ class Runner:
             say(f"cannot run {self.argv[0]}: {exc.strerror}")
             return 126
 
+        try:
+            if hasattr(signal, "sigtimedwait"):
+                self._supervise(child)
+            else:  # macOS: no sigtimedwait, so no way to tell a terminal's Ctrl-C apart
+                self._supervise_portable(child)
+        finally:
+            if child.poll() is None:  # only on an unexpected error above
+                child.kill()
+                child.wait()
+        return exit_status(child.returncode)
+
+    def _escalate_if_overdue(
+        self, child: subprocess.Popen[bytes], kill_at: float | None
+    ) -> float | None:
+        if kill_at is not None and time.monotonic() >= kill_at and child.poll() is None:
+            say(
+                f"{self.argv[0]} (pid {child.pid}) did not exit within "
+                f"{STOP_GRACE_SECONDS:.0f} s of the signal; killing it"
+            )
+            child.kill()
+            return None
+        return kill_at
+
+    def _supervise(self, child: subprocess.Popen[bytes]) -> None:
+        """Wait for CMD, forwarding the signals other processes send to the runner."""
         waited = [*self.handled, signal.SIGCHLD]
         signal.pthread_sigmask(signal.SIG_BLOCK, waited)
         try:
@@ -408,13 +433,7 @@ class Runner:
                     timeout = max(0.01, min(timeout, kill_at - time.monotonic()))
                 info = signal.sigtimedwait(waited, timeout)
                 if info is None:
-                    if kill_at is not None and time.monotonic() >= kill_at and child.poll() is None:
-                        say(
-                            f"{self.argv[0]} (pid {child.pid}) did not exit within "
-                            f"{STOP_GRACE_SECONDS:.0f} s of the signal; killing it"
-                        )
-                        child.kill()
-                        kill_at = None
+                    kill_at = self._escalate_if_overdue(child, kill_at)
                     continue
                 if info.si_signo == signal.SIGCHLD or info.si_code == SI_KERNEL:
                     continue
@@ -422,11 +441,19 @@ class Runner:
                 if kill_at is None:
                     kill_at = time.monotonic() + STOP_GRACE_SECONDS
         finally:
-            if child.poll() is None:  # only on an unexpected error above
-                child.kill()
-                child.wait()
             signal.pthread_sigmask(signal.SIG_UNBLOCK, waited)
-        return exit_status(child.returncode)
+
+    def _supervise_portable(self, child: subprocess.Popen[bytes]) -> None:
+        """Like _supervise, forwarding every signal (a Ctrl-C then reaches CMD twice)."""
+        kill_at = None
+        while child.poll() is None:
+            while self.received:
+                child.send_signal(self.received.pop(0))
+                if kill_at is None:
+                    kill_at = time.monotonic() + STOP_GRACE_SECONDS
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(0.1)
+            kill_at = self._escalate_if_overdue(child, kill_at)
 
 
 def main(argv: list[str] | None = None) -> int:
