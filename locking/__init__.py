@@ -1,0 +1,13 @@
+"""Redis locks and atomic stock counters for the flash sale.
+
+Depends on redis-py only (never on Django) so it can be reused on its own. The lock
+exceptions are redis-py's own classes, so ``except redis.exceptions.LockError`` catches
+errors from :class:`Lock` exactly as it does from :class:`redis.lock.Lock`.
+"""
+
+from redis.exceptions import LockError, LockNotOwnedError
+
+from .counter import StockCounter
+from .lock import Lock
+
+__all__ = ["Lock", "LockError", "LockNotOwnedError", "StockCounter"]

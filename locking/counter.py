@@ -1,0 +1,77 @@
+"""Stock counters in Redis with an atomic check-and-decrement."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
+
+from . import scripts
+
+
+def _positive_qty(qty: int) -> int:
+    # bool is an int subclass; True as a quantity is a bug, not "1".
+    if isinstance(qty, bool) or not isinstance(qty, int) or qty <= 0:
+        raise ValueError(f"qty must be a positive int, got {qty!r}")
+    return qty
+
+
+class StockCounter:
+    """Integer stock counters, one Redis string key each.
+
+    ``take`` never lets a counter go below zero and never creates one: the check and
+    the DECRBY run in one Lua script, so concurrent takers cannot oversell.
+    Redis errors propagate unchanged.
+    """
+
+    #: ``take``/``give_back`` result: the counter key does not exist.
+    MISSING: ClassVar[int] = -2
+    #: ``take`` result: the counter holds less than the requested quantity.
+    INSUFFICIENT: ClassVar[int] = -1
+
+    def __init__(self, redis: Any) -> None:
+        self.redis = redis
+        self._take = scripts.script_for(redis, scripts.STOCK_TAKE)
+        self._give_back = scripts.script_for(redis, scripts.STOCK_GIVE_BACK)
+
+    def take(self, key: str, qty: int) -> int:
+        """Decrement ``key`` by ``qty`` if it holds at least ``qty``.
+
+        Returns the new value (>= 0), :attr:`MISSING` or :attr:`INSUFFICIENT` (then the
+        counter is unchanged). Raises ValueError unless ``qty`` is a positive int.
+        """
+        return int(self._take(keys=[key], args=[_positive_qty(qty)], client=self.redis))
+
+    def give_back(self, key: str, qty: int) -> int:
+        """Increment ``key`` by ``qty``; returns the new value, or :attr:`MISSING`.
+
+        A missing counter stays missing: stock is not resurrected for a product whose
+        counter was removed. Raises ValueError unless ``qty`` is a positive int.
+        """
+        return int(self._give_back(keys=[key], args=[_positive_qty(qty)], client=self.redis))
+
+    def set(self, key: str, value: int) -> None:
+        """Set ``key`` to ``value`` (a non-negative int)."""
+        self.redis.set(key, _stock_value(value))
+
+    def set_many(self, mapping: Mapping[str, int]) -> None:
+        """Set several counters at once (one MSET); values are non-negative ints."""
+        if mapping:
+            self.redis.mset({key: _stock_value(value) for key, value in mapping.items()})
+
+    def get(self, key: str) -> int | None:
+        """Current value of ``key``, None if it does not exist."""
+        raw = self.redis.get(key)
+        return None if raw is None else int(raw)
+
+    def get_many(self, keys: Iterable[str]) -> list[int | None]:
+        """Current values of ``keys`` in order (one MGET), None for missing ones."""
+        keys = list(keys)
+        if not keys:
+            return []
+        return [None if raw is None else int(raw) for raw in self.redis.mget(keys)]
+
+
+def _stock_value(value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"stock must be a non-negative int, got {value!r}")
+    return value

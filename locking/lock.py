@@ -1,0 +1,424 @@
+"""A Redis lock with the API of :class:`redis.lock.Lock`, event-driven waiting and a watchdog.
+
+Differences from redis-py's lock, all invisible to code written against redis-py:
+
+* Waiters do not poll. A failed ``SET NX`` is followed by ``BLPOP <name>:wake`` and the
+  release script pushes one element to that list, so the next owner is woken as soon as
+  the lock is freed. The wait is capped by the lock's remaining TTL, so a lock whose
+  holder died is taken as soon as it expires.
+* A ``SET`` that times out on the client may still run on the server; a ``GET`` then
+  decides whether the lock is ours.
+* An optional watchdog thread keeps the TTL short while the holder is alive and reports,
+  through :attr:`Lock.lost` and ``on_lost``, when the lock slipped away.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable
+from types import SimpleNamespace, TracebackType
+from typing import Any, Literal
+
+from redis.exceptions import LockError, LockNotOwnedError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from . import scripts
+
+logger = logging.getLogger(__name__)
+
+Number = int | float
+
+#: Lifetime of a wake nobody consumed; long enough for a waiter that is between its
+#: failed SET and its BLPOP to still find it, short enough that nothing lingers.
+WAKE_TTL_MS = 3000
+
+#: BLPOP treats 0 as "block forever"; every wait is clamped to at least this.
+MIN_WAIT = 0.001
+
+#: Wait slice when the client has no socket timeout.
+DEFAULT_MAX_WAIT_SLICE = 1.0
+
+
+class _Lease:
+    """One acquisition: its token and, with a watchdog, the thread renewing it."""
+
+    __slots__ = ("token", "stop", "thread", "lost", "state_lock")
+
+    def __init__(self, token: bytes) -> None:
+        self.token = token
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.lost = False
+        # Serialises "release stops the watchdog" with "watchdog declares the lock
+        # lost", so a renewal failing because of our own release is not reported.
+        self.state_lock = threading.Lock()
+
+
+class _ThreadState(threading.local):
+    """Per-thread token and lease; the class attributes are every new thread's defaults."""
+
+    token: bytes | None = None
+    lease: _Lease | None = None
+
+
+class Lock:
+    """A distributed lock stored in Redis under ``name``; API of :class:`redis.lock.Lock`.
+
+    Contract:
+
+    * At most one token is stored under ``name`` at a time (``SET NX``), and only the
+      holder of that token can release, extend or reacquire the lock (Lua
+      compare-and-delete / compare-and-pexpire); anyone else gets
+      :class:`~redis.exceptions.LockNotOwnedError` and the key is left untouched.
+    * ``timeout`` (seconds) is the lock's TTL. Without a watchdog the lock simply
+      expires after it, even if the holder is still working: check :meth:`owned` or
+      :meth:`ensure_held` before committing work. ``None`` means no TTL.
+    * ``blocking``/``blocking_timeout`` behave as in redis-py: ``acquire`` returns False
+      once ``blocking_timeout`` seconds have passed (``None``: wait forever).
+    * ``sleep`` is accepted for compatibility only: waiting is event-driven (BLPOP on
+      ``<name>:wake``), so no poll interval delays an acquisition.
+    * ``max_wait_slice`` bounds a single BLPOP, which bounds the delay when a wake is
+      missed. Default: half the client's ``socket_timeout`` when it has one, so that a
+      BLPOP never outlasts the socket timeout, else 1 s.
+    * ``watchdog=True`` (requires ``timeout``) renews the TTL every ``timeout / 3`` from
+      a daemon thread while the lock is held. If a renewal finds the lock is not ours
+      any more, or Redis fails, the watchdog stops, :attr:`lost` becomes True and
+      ``on_lost(lock)`` is called once, from the watchdog thread. A holder whose lock
+      is lost must not commit its work.
+    * ``thread_local=True`` keeps the token (and the watchdog state) per thread, as in
+      redis-py.
+    * Redis failures (``ConnectionError``, ``TimeoutError``) propagate to the caller,
+      except a client-side timeout of the ``SET`` or of a ``BLPOP``, which are resolved
+      by reading the key / by trying again.
+    """
+
+    def __init__(
+        self,
+        redis: Any,
+        name: str,
+        timeout: Number | None = None,
+        sleep: Number = 0.1,
+        blocking: bool = True,
+        blocking_timeout: Number | None = None,
+        thread_local: bool = True,
+        raise_on_release_error: bool = True,
+        *,
+        watchdog: bool = False,
+        on_lost: Callable[[Lock], object] | None = None,
+        max_wait_slice: Number | None = None,
+    ) -> None:
+        if watchdog and not timeout:
+            raise ValueError("watchdog=True needs a timeout: there is no TTL to renew")
+        if max_wait_slice is not None and max_wait_slice <= 0:
+            raise ValueError("max_wait_slice must be positive")
+        self.redis = redis
+        self.name = name
+        self.timeout = timeout
+        self.sleep = sleep
+        self.blocking = blocking
+        self.blocking_timeout = blocking_timeout
+        self.thread_local = bool(thread_local)
+        self.raise_on_release_error = raise_on_release_error
+        self.watchdog = watchdog
+        self.on_lost = on_lost
+        self.max_wait_slice = (
+            float(max_wait_slice) if max_wait_slice is not None else _default_slice(redis)
+        )
+        self.wake_name = f"{name}:wake"
+        self.local: Any = _ThreadState() if self.thread_local else SimpleNamespace()
+        self.local.token = None
+        self.local.lease = None
+        self._release_script = scripts.script_for(redis, scripts.RELEASE)
+        self._extend_script = scripts.script_for(redis, scripts.EXTEND)
+
+    # -- context manager -------------------------------------------------------------
+
+    def __enter__(self) -> Lock:
+        if self.acquire():
+            return self
+        raise LockError("Unable to acquire lock within the time specified", lock_name=self.name)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        try:
+            self.release()
+        except LockError:
+            if self.raise_on_release_error:
+                raise
+            logger.warning(
+                "Lock %r was no longer owned when exiting the context manager", self.name
+            )
+
+    # -- acquisition -----------------------------------------------------------------
+
+    def acquire(
+        self,
+        sleep: Number | None = None,
+        blocking: bool | None = None,
+        blocking_timeout: Number | None = None,
+        token: str | bytes | None = None,
+    ) -> bool:
+        """Take the lock; return True once it is ours, False if we gave up.
+
+        Non-blocking: a single attempt. Blocking: wait for a release wake (or the
+        lock's expiry) and try again, until ``blocking_timeout`` seconds have passed.
+        ``token`` (str or bytes) replaces the random uuid4 owner token. ``sleep`` is
+        accepted for redis-py compatibility and has no effect.
+        """
+        del sleep  # waiting is driven by wakes, not by a poll interval
+        if token is None:
+            token_bytes = uuid.uuid4().hex.encode()
+        else:
+            token_bytes = self.redis.get_encoder().encode(token)
+        if blocking is None:
+            blocking = self.blocking
+        if blocking_timeout is None:
+            blocking_timeout = self.blocking_timeout
+        deadline = None if blocking_timeout is None else time.monotonic() + blocking_timeout
+
+        while True:
+            acquired, pttl = self._attempt(token_bytes)
+            if acquired:
+                self._took(token_bytes)
+                return True
+            if not blocking:
+                return False
+            if pttl == -2:
+                # The key vanished between our SET and our read: try again at once.
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                continue
+            wait = self.max_wait_slice
+            if pttl >= 0:
+                # Never sleep past the holder's expiry: a dead holder's lock is free then.
+                wait = min(wait, pttl / 1000)
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                wait = min(wait, left)
+            self._wait_for_wake(wait)
+
+    def _attempt(self, token: bytes) -> tuple[bool, int]:
+        """One ``SET NX PX``; return (acquired, PTTL of the lock when not acquired)."""
+        try:
+            if self.redis.set(self.name, token, nx=True, px=self._ttl_ms()):
+                return True, 0
+        except RedisTimeoutError:
+            # The client gave up waiting, but the SET may have run (or may still run)
+            # on the server: only the stored value tells whether the lock is ours.
+            pass
+        # A failed SET is read back too: a client that retries commands after a
+        # timeout can see its own earlier SET make the retried SET NX fail.
+        # If this read fails the error propagates: Redis is unusable for now.
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.get(self.name)
+        pipe.pttl(self.name)
+        stored, pttl = pipe.execute()
+        if self._is_token(stored, token):
+            return True, 0
+        return False, int(pttl)
+
+    def _wait_for_wake(self, seconds: float) -> None:
+        # Milliseconds are Redis' resolution; rounding also keeps the float out of
+        # exponent notation.
+        seconds = round(max(seconds, MIN_WAIT), 3)
+        try:
+            self.redis.blpop([self.wake_name], timeout=seconds)
+        except RedisTimeoutError:
+            # Only the client's socket timeout fired; it means no wake came in time.
+            # The next SET will surface a Redis that is really gone.
+            pass
+
+    def _ttl_ms(self) -> int | None:
+        if not self.timeout:
+            return None
+        return max(1, int(self.timeout * 1000))
+
+    def _is_token(self, stored: Any, token: bytes | None) -> bool:
+        if stored is None or token is None:
+            return False
+        if not isinstance(stored, bytes):
+            stored = self.redis.get_encoder().encode(stored)
+        return stored == token
+
+    def _took(self, token: bytes) -> None:
+        self._stop_watchdog()
+        lease = _Lease(token)
+        self.local.token = token
+        self.local.lease = lease
+        if self.watchdog:
+            self._start_watchdog(lease)
+
+    # -- state -----------------------------------------------------------------------
+
+    def locked(self) -> bool:
+        """True if anyone holds the lock (one GET)."""
+        return self.redis.get(self.name) is not None
+
+    def owned(self) -> bool:
+        """True if this lock's token (in this thread) is the one stored (one GET)."""
+        return self._is_token(self.redis.get(self.name), self.local.token)
+
+    @property
+    def lost(self) -> bool:
+        """True once the watchdog found the current acquisition gone or could not renew it.
+
+        Stays True after release until the next acquire. Always False without a
+        watchdog: nothing monitors the lock then, use :meth:`ensure_held`.
+        """
+        lease = self.local.lease
+        return lease is not None and lease.lost
+
+    def ensure_held(self) -> None:
+        """Raise LockNotOwnedError unless the lock is still ours (checks ``lost``, then one GET).
+
+        Call it right before committing work done under the lock.
+        """
+        if self.lost or not self.owned():
+            raise LockNotOwnedError("The lock is no longer owned", lock_name=self.name)
+
+    # -- release / TTL ---------------------------------------------------------------
+
+    def release(self) -> None:
+        """Release the lock and wake one waiter.
+
+        Raises LockError if this lock was not acquired, LockNotOwnedError if it has
+        been taken over or has expired meanwhile (then nothing is deleted).
+        """
+        expected = self.local.token
+        if expected is None:
+            raise LockError(
+                "Cannot release a lock that's not owned or is already unlocked.",
+                lock_name=self.name,
+            )
+        self.local.token = None
+        self._stop_watchdog()
+        released = self._release_script(
+            keys=[self.name, self.wake_name], args=[expected, WAKE_TTL_MS], client=self.redis
+        )
+        if not released:
+            raise LockNotOwnedError(
+                "Cannot release a lock that's no longer owned", lock_name=self.name
+            )
+
+    def extend(self, additional_time: Number, replace_ttl: bool = False) -> Literal[True]:
+        """Add ``additional_time`` seconds to the TTL (or set it, with ``replace_ttl``).
+
+        Raises LockError if not acquired or without a timeout, LockNotOwnedError if
+        the lock is not ours any more.
+        """
+        if self.local.token is None:
+            raise LockError("Cannot extend an unlocked lock", lock_name=self.name)
+        if self.timeout is None:
+            raise LockError("Cannot extend a lock with no timeout", lock_name=self.name)
+        if not self._pexpire(self.local.token, int(additional_time * 1000), replace_ttl):
+            raise LockNotOwnedError(
+                "Cannot extend a lock that's no longer owned", lock_name=self.name
+            )
+        return True
+
+    def reacquire(self) -> Literal[True]:
+        """Reset the TTL to ``timeout``; same errors as :meth:`extend`."""
+        if self.local.token is None:
+            raise LockError("Cannot reacquire an unlocked lock", lock_name=self.name)
+        if self.timeout is None:
+            raise LockError("Cannot reacquire a lock with no timeout", lock_name=self.name)
+        if not self._pexpire(self.local.token, self._ttl_ms() or 0, True):
+            raise LockNotOwnedError(
+                "Cannot reacquire a lock that's no longer owned", lock_name=self.name
+            )
+        return True
+
+    def _pexpire(self, token: bytes, ms: int, replace_ttl: bool) -> bool:
+        return bool(
+            self._extend_script(
+                keys=[self.name], args=[token, ms, "1" if replace_ttl else "0"], client=self.redis
+            )
+        )
+
+    # -- watchdog --------------------------------------------------------------------
+
+    def _start_watchdog(self, lease: _Lease) -> None:
+        # The watchdog gets the token through the lease: the token is thread-local
+        # and would be invisible from the watchdog's thread. It holds the lock only
+        # weakly so that an abandoned lock object lets its lease expire.
+        lease.thread = threading.Thread(
+            target=_watch,
+            args=(weakref.ref(self), lease, self.timeout / 3, self._ttl_ms()),
+            name=f"lock-watchdog:{self.name}",
+            daemon=True,
+        )
+        lease.thread.start()
+
+    def _stop_watchdog(self) -> None:
+        lease = self.local.lease
+        if lease is None or lease.thread is None:
+            return
+        with lease.state_lock:
+            lease.stop.set()
+        if lease.thread is not threading.current_thread():
+            # At most one renewal is in flight; the watchdog cannot act after the stop
+            # flag is set (see _watch), so a slow join is only a delay, not a risk.
+            lease.thread.join(timeout=1.0)
+
+
+def _watch(lock_ref: weakref.ref[Lock], lease: _Lease, interval: float, ttl_ms: int) -> None:
+    """Watchdog loop: renew the TTL every ``interval`` until stopped, or report the loss."""
+    # Scheduled from the previous renewal's start, so a slow round trip does not
+    # stretch the period and eat into the TTL margin.
+    next_at = time.monotonic() + interval
+    while not lease.stop.wait(max(0.0, next_at - time.monotonic())):
+        next_at = max(next_at + interval, time.monotonic())
+        if not _renew(lock_ref, lease, ttl_ms):
+            return
+
+
+def _renew(lock_ref: weakref.ref[Lock], lease: _Lease, ttl_ms: int) -> bool:
+    """One renewal; False when the watchdog must stop.
+
+    A separate function so the strong reference to the lock dies with this frame and
+    is not held while the watchdog sleeps.
+    """
+    lock = lock_ref()
+    if lock is None:
+        return False
+    try:
+        if lock._pexpire(lease.token, ttl_ms, True):
+            return True
+    except RedisError:
+        logger.warning("Watchdog could not renew lock %r", lock.name, exc_info=True)
+    with lease.state_lock:
+        if lease.stop.is_set():
+            return False  # released meanwhile: the failure comes from our own release
+        lease.lost = True
+        lease.stop.set()
+    logger.warning("Lock %r was lost while held", lock.name)
+    if lock.thread_local:
+        # This thread serves this acquisition only: let code in on_lost see it through
+        # the thread-local attributes (lost, owned()).
+        lock.local.lease = lease
+        lock.local.token = lease.token
+    if lock.on_lost is not None:
+        try:
+            lock.on_lost(lock)
+        except Exception:
+            logger.exception("on_lost callback of lock %r failed", lock.name)
+    return False
+
+
+def _default_slice(client: Any) -> float:
+    pool = getattr(client, "connection_pool", None)
+    kwargs = getattr(pool, "connection_kwargs", None) or {}
+    socket_timeout = kwargs.get("socket_timeout")
+    if socket_timeout:
+        return float(socket_timeout) / 2
+    return DEFAULT_MAX_WAIT_SLICE

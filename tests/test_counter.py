@@ -1,0 +1,158 @@
+"""Behaviour of locking.StockCounter against the shared Redis (uuid key prefix, cleaned up)."""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from locking import StockCounter
+from tests.support import delete_prefix, redis_url, unique_prefix
+
+
+@pytest.fixture
+def r() -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url())
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def prefix(r: redis.Redis) -> Iterator[str]:
+    key_prefix = unique_prefix("counter")
+    yield key_prefix
+    delete_prefix(r, key_prefix)
+
+
+def test_take_exact_results(r: redis.Redis, prefix: str) -> None:
+    counter = StockCounter(r)
+    key = prefix + "sku"
+    assert StockCounter.MISSING == -2
+    assert StockCounter.INSUFFICIENT == -1
+
+    assert counter.take(key, 1) == StockCounter.MISSING
+    assert r.exists(key) == 0  # a missing counter is reported, not created at -1
+
+    counter.set(key, 5)
+    assert counter.take(key, 3) == 2
+    assert counter.take(key, 3) == StockCounter.INSUFFICIENT
+    assert counter.get(key) == 2  # a refused take changes nothing
+    assert counter.take(key, 2) == 0
+    assert counter.take(key, 1) == StockCounter.INSUFFICIENT
+    assert counter.get(key) == 0
+
+
+def test_give_back(r: redis.Redis, prefix: str) -> None:
+    counter = StockCounter(r)
+    key = prefix + "sku"
+    counter.set(key, 0)
+    assert counter.give_back(key, 4) == 4
+    assert counter.take(key, 4) == 0
+    assert counter.give_back(prefix + "gone", 3) == StockCounter.MISSING
+    assert r.exists(prefix + "gone") == 0  # stays missing
+
+
+def test_set_many_get_many(r: redis.Redis, prefix: str) -> None:
+    counter = StockCounter(r)
+    a, b, missing = prefix + "a", prefix + "b", prefix + "missing"
+    counter.set_many({a: 10, b: 0})
+    assert counter.get_many([a, missing, b]) == [10, None, 0]
+    assert counter.get(missing) is None
+    assert counter.get_many([]) == []
+    counter.set_many({})  # nothing to do, no error
+    assert counter.get_many([a, b]) == [10, 0]
+
+
+@pytest.mark.parametrize("qty", [0, -1, 1.5, True, "1", None])
+def test_quantity_must_be_a_positive_int(r: redis.Redis, prefix: str, qty: object) -> None:
+    counter = StockCounter(r)
+    key = prefix + "sku"
+    counter.set(key, 5)
+    with pytest.raises(ValueError):
+        counter.take(key, qty)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        counter.give_back(key, qty)  # type: ignore[arg-type]
+    assert counter.get(key) == 5
+
+
+@pytest.mark.parametrize("value", [-1, 2.5, True, "3"])
+def test_stock_values_must_be_non_negative_ints(r: redis.Redis, prefix: str, value: object) -> None:
+    counter = StockCounter(r)
+    with pytest.raises(ValueError):
+        counter.set(prefix + "sku", value)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        counter.set_many({prefix + "ok": 1, prefix + "sku": value})  # type: ignore[dict-item]
+    assert r.exists(prefix + "sku", prefix + "ok") == 0  # set_many validates before writing
+
+
+def test_a_non_integer_counter_is_an_error(r: redis.Redis, prefix: str) -> None:
+    counter = StockCounter(r)
+    key = prefix + "sku"
+    r.set(key, "lots")
+    with pytest.raises(redis.exceptions.ResponseError, match="does not hold an integer"):
+        counter.take(key, 1)
+    assert r.get(key) == b"lots"
+
+
+def test_works_with_decode_responses(prefix: str) -> None:
+    client = redis.Redis.from_url(redis_url(), decode_responses=True)
+    try:
+        counter = StockCounter(client)
+        counter.set(prefix + "sku", 3)
+        assert counter.take(prefix + "sku", 2) == 1
+        assert counter.get(prefix + "sku") == 1
+        assert counter.get_many([prefix + "sku"]) == [1]
+    finally:
+        client.close()
+
+
+PROCESSES = 16
+ATTEMPTS = 2000
+STOCK = 500
+
+
+def _hammer(url: str, key: str, attempts: int, barrier, results) -> None:
+    client = redis.Redis.from_url(url)
+    try:
+        counter = StockCounter(client)
+        barrier.wait(60)
+        results.put([counter.take(key, 1) for _ in range(attempts)])
+    except BaseException as exc:
+        results.put(repr(exc))
+    finally:
+        client.close()
+
+
+def test_concurrent_takes_never_oversell(r: redis.Redis, prefix: str) -> None:
+    key = prefix + "hot-sku"
+    StockCounter(r).set(key, STOCK)
+    # spawn: every process starts clean, with its own client.
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(PROCESSES), ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_hammer, args=(redis_url(), key, ATTEMPTS // PROCESSES, barrier, results)
+        )
+        for _ in range(PROCESSES)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        outcomes = [results.get(timeout=60) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    assert all(isinstance(o, list) for o in outcomes), outcomes
+    assert [proc.exitcode for proc in procs] == [0] * PROCESSES
+    returned = [value for outcome in outcomes for value in outcome]
+    assert len(returned) == ATTEMPTS
+    successes = [value for value in returned if value >= 0]
+    # Every successful DECRBY returns a distinct remaining value: 499, 498, ..., 0.
+    assert sorted(successes) == list(range(STOCK))
+    assert returned.count(StockCounter.INSUFFICIENT) == ATTEMPTS - STOCK
+    assert StockCounter(r).get(key) == 0
