@@ -120,7 +120,7 @@ def checkout(request: HttpRequest) -> JsonResponse:
     headers = {"Location": f"/api/orders/{result.order.pk}"}
     if not result.created:
         headers["Idempotent-Replayed"] = "true"
-    return JsonResponse(selectors.order_payload(result.order), status=201, headers=headers)
+    return JsonResponse(selectors.checkout_payload(result.order), status=201, headers=headers)
 
 
 def item_detail(request: HttpRequest, sku: str) -> JsonResponse:

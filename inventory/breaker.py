@@ -1,9 +1,9 @@
-"""A per-process circuit breaker in front of Redis.
+"""Per-process circuit breakers: one in front of Redis, one in front of the Celery broker.
 
-Closed: the Redis strategies run. The first connection error or timeout opens it: checkouts go
-straight to the database fallback without paying the Redis timeout again. Every
-FLASHSALE_BREAKER_PROBE_SECONDS one request probes Redis (PING); when it answers, every item's
-Redis state is rebuilt from the database and only then is the breaker closed.
+Closed: calls go through. The first connection error or timeout opens the breaker: callers skip
+the dependency (and its timeout) at once. Every `probe_seconds` one caller gets to try again:
+with a `probe`, the breaker runs it itself and closes only if it succeeds; without one, the
+caller's own call is the trial and it reports back with `record_success` / `record_failure`.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from django.conf import settings
 
@@ -19,9 +20,20 @@ from .redis_client import REDIS_DOWN_ERRORS, get_redis_client
 logger = logging.getLogger(__name__)
 
 
-class RedisBreaker:
-    def __init__(self) -> None:
-        self._probe_lock = threading.Lock()
+class CircuitBreaker:
+    def __init__(
+        self,
+        name: str,
+        *,
+        probe_seconds: Callable[[], float],
+        probe: Callable[[], None] | None = None,
+        probe_errors: tuple[type[BaseException], ...] = (),
+    ) -> None:
+        self.name = name
+        self._probe_seconds = probe_seconds
+        self._probe = probe
+        self._probe_errors = probe_errors
+        self._trial_lock = threading.Lock()
         self._retry_at: float | None = None
         self.opened_count = 0
 
@@ -30,32 +42,39 @@ class RedisBreaker:
         return self._retry_at is not None
 
     def record_failure(self, exc: BaseException) -> None:
-        """Redis failed: open (or keep open) and probe again after the interval."""
+        """The dependency failed: open (or keep open) and try again after the interval."""
         if self._retry_at is None:
             self.opened_count += 1
-            logger.warning("Redis unreachable (%s): checkout falls back to the database", exc)
-        self._retry_at = time.monotonic() + settings.FLASHSALE_BREAKER_PROBE_SECONDS
+            logger.warning("%s unreachable (%s): breaker open", self.name, exc)
+        self._retry_at = time.monotonic() + self._probe_seconds()
+
+    def record_success(self) -> None:
+        if self._retry_at is not None:
+            logger.warning("%s is back: breaker closed", self.name)
+        self._retry_at = None
 
     def allow(self) -> bool:
-        """Whether this checkout may use Redis; probes and recovers when it is time to."""
+        """Whether this call may use the dependency now."""
         retry_at = self._retry_at
         if retry_at is None:
             return True
-        if time.monotonic() < retry_at or not self._probe_lock.acquire(blocking=False):
+        if time.monotonic() < retry_at or not self._trial_lock.acquire(blocking=False):
             return False
         try:
             if self._retry_at is None:
                 return True
-            get_redis_client().ping()
-            rebuild_redis_state()
-        except REDIS_DOWN_ERRORS as exc:
-            self._retry_at = time.monotonic() + settings.FLASHSALE_BREAKER_PROBE_SECONDS
-            logger.info("Redis still unreachable (%s)", exc)
+            if self._probe is None:
+                # This caller is the trial; until it reports, others keep skipping.
+                self._retry_at = time.monotonic() + self._probe_seconds()
+                return True
+            self._probe()
+        except self._probe_errors as exc:
+            self._retry_at = time.monotonic() + self._probe_seconds()
+            logger.info("%s still unreachable (%s)", self.name, exc)
             return False
         finally:
-            self._probe_lock.release()
-        self._retry_at = None
-        logger.warning("Redis is back: counters rebuilt from the database, Redis path resumed")
+            self._trial_lock.release()
+        self.record_success()
         return True
 
     def reset(self) -> None:
@@ -67,9 +86,24 @@ def rebuild_redis_state() -> None:
     from .models import Item
     from .strategies import get_strategy
 
-    for item in Item.objects.all():
+    for item in Item.objects.exclude(current_sale=None):
         get_strategy(item.strategy).sync_redis(item=item)
 
 
-#: This process's breaker.
-breaker = RedisBreaker()
+def _probe_redis() -> None:
+    get_redis_client().ping()
+    rebuild_redis_state()
+
+
+#: This process's breaker in front of Redis: closes only once Redis answers and is rebuilt.
+breaker = CircuitBreaker(
+    "Redis",
+    probe_seconds=lambda: settings.FLASHSALE_BREAKER_PROBE_SECONDS,
+    probe=_probe_redis,
+    probe_errors=REDIS_DOWN_ERRORS,
+)
+
+#: This process's breaker in front of the Celery broker; the next publish is the trial.
+broker_breaker = CircuitBreaker(
+    "Celery broker", probe_seconds=lambda: settings.FLASHSALE_BROKER_PROBE_SECONDS
+)

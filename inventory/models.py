@@ -115,6 +115,9 @@ class Order(models.Model):
         help_text="The strategy that took the units (optimistic when the fallback served).",
     )
     fallback = models.BooleanField(default=False, help_text="Served while Redis was down.")
+    requeued_at = models.DateTimeField(
+        null=True, blank=True, help_text="When the sweeper last enqueued it again."
+    )
     shard_units = models.JSONField(
         null=True, blank=True, help_text="Units taken per shard index, for sharded items."
     )
@@ -133,6 +136,18 @@ class Order(models.Model):
 
     def __str__(self) -> str:
         return f"order {self.pk} {self.item_id} x{self.qty} ({self.status})"
+
+
+class PaymentAttempt(models.Model):
+    """One run of the (simulated) payment for an order; written in the transaction that moves
+    the order out of `pending`, so a worker killed mid-payment leaves no attempt behind."""
+
+    order = models.ForeignKey(Order, on_delete=models.CASCADE, related_name="payment_attempts")
+    approved = models.BooleanField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return f"payment of order {self.order_id}: {'approved' if self.approved else 'declined'}"
 
 
 class BuyerAllowance(models.Model):

@@ -56,6 +56,12 @@ def order_payload(order: Order) -> dict[str, Any]:
     }
 
 
+def checkout_payload(order: Order) -> dict[str, Any]:
+    """The answer to a checkout: the order as accepted. A retry with the same idempotency key
+    gets the very same body; the order's live status is at GET /api/orders/<id>."""
+    return {**order_payload(order), "status": OrderStatus.PENDING}
+
+
 def get_order(order_id: int) -> Order:
     return Order.objects.select_related("item").get(pk=order_id)
 

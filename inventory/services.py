@@ -10,6 +10,7 @@ from django.db import IntegrityError, connection, transaction
 
 from .exceptions import InvalidRequest, LimitReached, NotOnSale, UnknownSku
 from .models import BuyerAllowance, Item, Order, Sale, StockShard
+from .orders import enqueue_order
 from .redis_client import REDIS_DOWN_ERRORS, get_redis_client, redis_key
 from .stock import split_stock
 from .strategies import Allocation, get_strategy, strategy_names
@@ -73,6 +74,8 @@ def place_order(
             if replay is not None:
                 return CheckoutResult(order=replay, created=False)
         raise
+    # Outside any transaction this runs at once: the order row is committed by now.
+    transaction.on_commit(lambda: enqueue_order(order.pk))
     return CheckoutResult(order=order, created=True)
 
 

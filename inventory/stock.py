@@ -16,7 +16,7 @@ from django.conf import settings
 from django.db import connection
 from django.db.models import F
 
-from .models import Item, StockShard
+from .models import BuyerAllowance, Item, Order, StockShard
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,27 @@ def take_from_shards(item_id: int, qty: int) -> dict[int, int]:
             stock=F("stock") - units, version=F("version") + 1
         )
     return plan
+
+
+def return_units(order: Order) -> None:
+    """Put a failed or expired order's units back on its item, its shards and its buyer's
+    allowance. Call once, in the transaction that moves the order to failed or expired."""
+    Item.objects.filter(pk=order.item_id).update(
+        stock=F("stock") + order.qty, version=F("version") + 1
+    )
+    for index, units in sorted((int(i), u) for i, u in (order.shard_units or {}).items()):
+        StockShard.objects.filter(item_id=order.item_id, index=index).update(
+            stock=F("stock") + units, version=F("version") + 1
+        )
+    BuyerAllowance.objects.filter(item_id=order.item_id, buyer=order.buyer).update(
+        units=F("units") - order.qty
+    )
+
+
+def set_shard_stock(item_id: int, index: int, units: int) -> None:
+    StockShard.objects.filter(item_id=item_id, index=index).update(
+        stock=units, version=F("version") + 1
+    )
 
 
 def shard_stocks(item_id: int) -> dict[int, int]:

@@ -32,6 +32,7 @@ class StockCounter:
         self.redis = redis
         self._take = scripts.script_for(redis, scripts.STOCK_TAKE)
         self._give_back = scripts.script_for(redis, scripts.STOCK_GIVE_BACK)
+        self._give_back_once = scripts.script_for(redis, scripts.STOCK_GIVE_BACK_ONCE)
 
     def take(self, key: str, qty: int) -> int:
         """Decrement ``key`` by ``qty`` if it holds at least ``qty``.
@@ -48,6 +49,19 @@ class StockCounter:
         counter was removed. Raises ValueError unless ``qty`` is a positive int.
         """
         return int(self._give_back(keys=[key], args=[_positive_qty(qty)], client=self.redis))
+
+    def give_back_once(
+        self, marker: str, amounts: Mapping[str, int], *, marker_ttl: int = 7 * 24 * 3600
+    ) -> bool:
+        """Increment each counter by its amount, unless ``marker`` says this was done already.
+
+        Returns True when the units were given back by this call, False when an earlier call
+        with the same marker did it. Missing counters stay missing. The marker expires after
+        ``marker_ttl`` seconds.
+        """
+        keys = [marker, *amounts]
+        args = [marker_ttl, *(_positive_qty(qty) for qty in amounts.values())]
+        return bool(self._give_back_once(keys=keys, args=args, client=self.redis))
 
     def set(self, key: str, value: int) -> None:
         """Set ``key`` to ``value`` (a non-negative int)."""

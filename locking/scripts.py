@@ -85,6 +85,24 @@ end
 return redis.call('incrby', KEYS[1], ARGV[1])
 """
 
+# KEYS[1] marker, KEYS[2..n] stock counters
+# ARGV[1] marker lifetime (seconds), ARGV[2..n] quantity for each counter
+# Returns 1 when the units were given back now, 0 when the marker shows they already were.
+# Setting the marker and the INCRBYs happen in one script, so a retried give-back (a task
+# redelivered after its worker died) can never add the same units twice. Missing counters
+# stay missing, as with STOCK_GIVE_BACK.
+STOCK_GIVE_BACK_ONCE = """
+if not redis.call('set', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
+    return 0
+end
+for i = 2, #KEYS do
+    if redis.call('exists', KEYS[i]) == 1 then
+        redis.call('incrby', KEYS[i], ARGV[i])
+    end
+end
+return 1
+"""
+
 _cache: weakref.WeakKeyDictionary[object, dict[str, Script]] = weakref.WeakKeyDictionary()
 _cache_lock = threading.Lock()
 

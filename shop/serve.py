@@ -1,4 +1,5 @@
-"""What `make serve` runs (inside shop.devservices): migrate, then gunicorn and a Celery worker.
+"""What `make serve` runs (inside shop.devservices): migrate, then gunicorn, a Celery worker and
+Celery beat (the order sweeper and reconciler).
 
 Usage: python -m shop.serve [--host 127.0.0.1] [--port 8000] [--workers 4]
 
@@ -121,6 +122,12 @@ class Server:
             "the Celery worker",
             [sys.executable, "-m", "celery", "-A", "shop", "worker", "-l", "info"],
         )
+        # beat: the order sweeper and the reconciler, on the schedule in settings.
+        self._spawn(
+            "Celery beat",
+            [sys.executable, "-m", "celery", "-A", "shop", "beat", "-l", "info"]
+            + ["--schedule", str(ROOT / ".data" / "celerybeat-schedule")],
+        )
 
         ready_by = time.monotonic() + READY_TIMEOUT_SECONDS
         announced = False
@@ -145,7 +152,7 @@ class Server:
                     say(f"gunicorn did not accept connections on {self.url} within 60 s")
                     return 1
             time.sleep(0.2)
-        say("stopping the web server and the Celery worker")
+        say("stopping the web server, the Celery worker and beat")
         return 0
 
     def _spawn(self, name: str, argv: list[str]) -> None:

@@ -84,7 +84,9 @@ USE_I18N = True
 USE_TZ = True
 
 STATIC_URL = "static/"
-STATIC_ROOT = BASE_DIR / ".data" / "static"
+# Where collectstatic puts files for production (the Docker image sets it); without it, WhiteNoise
+# serves them straight from the apps.
+STATIC_ROOT = env.str("DJANGO_STATIC_ROOT", default=None)
 WHITENOISE_USE_FINDERS = True
 
 # A checkout body is a few dozen bytes; anything near this is abuse.
@@ -100,10 +102,36 @@ REDIS_CONNECT_TIMEOUT = env.float("FLASHSALE_REDIS_CONNECT_TIMEOUT", default=0.5
 
 # --- Celery ------------------------------------------------------------------------------------
 CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default=REDIS_URL)
+# Order tasks are idempotent, so they are acknowledged only once done and redelivered if the
+# worker dies: nothing accepted is lost.
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_DEFAULT_QUEUE = env.str("FLASHSALE_TASK_QUEUE", default="flashsale")
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BROKER_CONNECTION_TIMEOUT = 1
+# A checkout must not wait on a broker that is down: publish once, the sweeper does the rest.
+CELERY_TASK_PUBLISH_RETRY = False
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    # How long a delivered, unacknowledged task waits before another worker gets it (Redis).
+    "visibility_timeout": env.int("FLASHSALE_BROKER_VISIBILITY_TIMEOUT", default=300),
+    # How often a worker looks for such tasks (and puts them back in the queue).
+    "unacked_restore_interval": env.int("FLASHSALE_BROKER_RESTORE_SECONDS", default=10),
+    "unacked_restore_throttle": 1,
+    "socket_timeout": 2,
+    "socket_connect_timeout": 1,
+}
+CELERY_BEAT_SCHEDULE = {
+    "sweep-orders": {
+        "task": "inventory.tasks.sweep_orders_task",
+        "schedule": env.float("FLASHSALE_SWEEP_SECONDS", default=10.0),
+    },
+    "reconcile-sales": {
+        "task": "inventory.tasks.reconcile_sales_task",
+        "schedule": env.float("FLASHSALE_RECONCILE_SECONDS", default=60.0),
+    },
+}
 
 # --- flashsale ---------------------------------------------------------------------------------
 FLASHSALE_DEFAULT_STRATEGY = env.str("FLASHSALE_DEFAULT_STRATEGY", default="lock")
@@ -129,6 +157,15 @@ FLASHSALE_LOCK_GUARDED_WRITE = env.bool("FLASHSALE_LOCK_GUARDED_WRITE", default=
 FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS = env.int("FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS", default=60)
 # Circuit breaker: how often a process probes Redis while it is down.
 FLASHSALE_BREAKER_PROBE_SECONDS = env.float("FLASHSALE_BREAKER_PROBE_SECONDS", default=1.0)
+# Celery broker breaker: how often a process retries publishing while the broker is down.
+FLASHSALE_BROKER_PROBE_SECONDS = env.float("FLASHSALE_BROKER_PROBE_SECONDS", default=5.0)
+# Simulated payment: how long it takes and how often it is declined (0.0 to 1.0).
+FLASHSALE_PAYMENT_LATENCY_MS = env.int("FLASHSALE_PAYMENT_LATENCY_MS", default=50)
+FLASHSALE_PAYMENT_FAILURE_RATE = env.float("FLASHSALE_PAYMENT_FAILURE_RATE", default=0.0)
+# Orders still pending after this many seconds are expired and give their units back.
+FLASHSALE_ORDER_HOLD_SECONDS = env.int("FLASHSALE_ORDER_HOLD_SECONDS", default=900)
+# Orders still pending (or paid, unconfirmed) after this many seconds are enqueued again.
+FLASHSALE_REQUEUE_AFTER_SECONDS = env.int("FLASHSALE_REQUEUE_AFTER_SECONDS", default=30)
 # Seconds a client is told to wait after `503 busy`.
 FLASHSALE_BUSY_RETRY_AFTER = env.int("FLASHSALE_BUSY_RETRY_AFTER", default=1)
 # Simulated work inside each critical section (ms); for demonstrating lock expiry and races.

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Iterator
 from urllib.parse import quote
@@ -11,20 +16,27 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
+from loadtest.server import PROJECT_DIR as ROOT
 from loadtest.server import ShopServer
 
-#: Shared by the test process and every server it starts, so both see the same Redis keys.
+#: Shared by the test process and every server and worker it starts: the same Redis keys and
+#: the same Celery queue, neither of which anything outside this run touches.
 REDIS_PREFIX = f"flashsale-test-{uuid.uuid4().hex[:8]}"
+TASK_QUEUE = f"{REDIS_PREFIX}-orders"
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _redis_prefix() -> Iterator[None]:
+def _isolated_redis_and_queue() -> Iterator[None]:
+    from shop.celery import app
+
     settings.FLASHSALE_REDIS_PREFIX = REDIS_PREFIX
+    app.conf.task_default_queue = TASK_QUEUE
     yield
     from inventory.redis_client import get_redis_client
 
     client = get_redis_client()
-    keys = list(client.scan_iter(match=f"{REDIS_PREFIX}:*", count=1000))
+    keys = list(client.scan_iter(match=f"{REDIS_PREFIX}*", count=1000))
+    keys += list(client.scan_iter(match=f"_kombu.binding*.{TASK_QUEUE}", count=1000))
     if keys:
         client.delete(*keys)
 
@@ -36,7 +48,10 @@ def test_database_url() -> str:
     user = quote(db["USER"] or "", safe="")
     password = f":{quote(db['PASSWORD'], safe='')}" if db["PASSWORD"] else ""
     port = f":{db['PORT']}" if db["PORT"] else ""
-    return f"postgres://{user}{password}@{host}{port}/{db['NAME']}"
+    # A unix-socket server (the embedded one) is named by a `host` option, not HOST.
+    socket_dir = db.get("OPTIONS", {}).get("host")
+    query = f"?host={quote(socket_dir, safe='/')}" if socket_dir else ""
+    return f"postgres://{user}{password}@{host}{port}/{db['NAME']}{query}"
 
 
 test_database_url.__test__ = False  # a helper, not a test
@@ -47,6 +62,8 @@ def server_env(**overrides: object) -> dict[str, str]:
         "DATABASE_URL": test_database_url(),
         "REDIS_URL": settings.REDIS_URL,
         "FLASHSALE_REDIS_PREFIX": REDIS_PREFIX,
+        "FLASHSALE_TASK_QUEUE": TASK_QUEUE,
+        "CELERY_BROKER_URL": settings.CELERY_BROKER_URL,
         "DJANGO_CONN_MAX_AGE": "0",
     }
     env.update({key: str(value) for key, value in overrides.items()})
@@ -65,3 +82,66 @@ def shop_server(django_db_setup, django_db_blocker) -> Iterator[ShopServer]:
     server = start_shop(FLASHSALE_UNSAFE_DELAY_MS=15)
     yield server
     server.stop()
+
+
+class CeleryWorker:
+    """A real `celery -A shop worker` process on the test database, in its own process group."""
+
+    def __init__(self, env: dict[str, str], concurrency: int = 2) -> None:
+        self.env = {**os.environ, **env}
+        self.concurrency = concurrency
+        self.hostname = f"test-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30.0) -> CeleryWorker:
+        command = [
+            sys.executable, "-m", "celery", "-A", "shop", "worker",
+            "--loglevel", "warning", "--concurrency", str(self.concurrency),
+            "--without-gossip", "--without-mingle", "--without-heartbeat",
+            "--hostname", self.hostname,
+        ]  # fmt: skip
+        self.process = subprocess.Popen(command, cwd=ROOT, env=self.env, start_new_session=True)
+        from celery import Celery
+
+        # A bare app on the worker's broker: the project's app may be on another one.
+        probe = Celery(broker=self.env["CELERY_BROKER_URL"])
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"celery worker exited with {self.process.returncode}")
+                replies = probe.control.ping(destination=[self.hostname], timeout=0.5)
+                if any(self.hostname in reply for reply in replies):
+                    return self
+        finally:
+            probe.close()
+        self.kill()
+        raise RuntimeError("celery worker did not answer a ping in time")
+
+    def kill(self) -> None:
+        """SIGKILL the worker and its pool processes at once, as a crash would."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+def start_worker(concurrency: int = 2, **overrides: object) -> CeleryWorker:
+    return CeleryWorker(server_env(**overrides), concurrency=concurrency).start()
+
+
+def wait_until(condition, *, timeout: float, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return condition()

@@ -243,6 +243,14 @@ def test_web_migrates_then_serves_the_wsgi_app_on_8000(services):
     assert any(str(port).split(":")[-1] == "8000" for port in web["ports"])
 
 
+def test_beat_runs_the_celery_app_from_the_same_image(services):
+    commands = django_commands()
+    assert "celery" in check_entry_points(services["beat"]["command"], commands)
+    assert "beat" in services["beat"]["command"]
+    assert services["beat"]["image"] == services["worker"]["image"]
+    assert services["beat"]["depends_on"] == services["worker"]["depends_on"]
+
+
 def test_worker_runs_the_celery_app(services):
     commands = django_commands()
     assert "celery" in check_entry_points(services["worker"]["command"], commands)

@@ -156,3 +156,22 @@ def test_concurrent_takes_never_oversell(r: redis.Redis, prefix: str) -> None:
     assert sorted(successes) == list(range(STOCK))
     assert returned.count(StockCounter.INSUFFICIENT) == ATTEMPTS - STOCK
     assert StockCounter(r).get(key) == 0
+
+
+def test_give_back_once_applies_a_marker_exactly_once():
+    client = redis.Redis.from_url(redis_url())
+    prefix = unique_prefix("once")
+    try:
+        counter = StockCounter(client)
+        counter.set_many({f"{prefix}:a": 1, f"{prefix}:b": 2})
+        amounts = {f"{prefix}:a": 3, f"{prefix}:b": 4, f"{prefix}:missing": 5}
+        assert counter.give_back_once(f"{prefix}:done", amounts) is True
+        assert counter.give_back_once(f"{prefix}:done", amounts) is False
+        assert counter.get_many([f"{prefix}:a", f"{prefix}:b", f"{prefix}:missing"]) == [
+            4,
+            6,
+            None,
+        ]
+        assert 0 < client.ttl(f"{prefix}:done") <= 7 * 24 * 3600
+    finally:
+        delete_prefix(client, prefix)

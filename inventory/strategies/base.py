@@ -58,6 +58,13 @@ class StockStrategy(ABC):
     def sync_redis(self, *, item: Item) -> None:  # noqa: B027 - optional hook
         """Rebuild this strategy's Redis state for item from the database."""
 
+    def return_units(self, *, item: Item, order: Order) -> None:  # noqa: B027 - optional hook
+        """Give a failed or expired order's units back to this strategy's Redis state.
+
+        Called after the database got them back; must be safe to call again for the same
+        order (a redelivered task does), adding the units at most once.
+        """
+
     def redis_stock(self, *, item: Item) -> int | None:
         """Units Redis believes are left, or None when the strategy keeps no count in Redis."""
         return None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..breaker import RedisBreaker
+from ..breaker import CircuitBreaker
 from ..models import Item, Order
 from ..redis_client import REDIS_DOWN_ERRORS
 from .base import Allocation, RecordOrder, StockStrategy
@@ -19,7 +19,7 @@ class RedisWithFallback(StockStrategy):
     uses_redis = True
 
     def __init__(
-        self, primary: StockStrategy, fallback: StockStrategy, breaker: RedisBreaker
+        self, primary: StockStrategy, fallback: StockStrategy, breaker: CircuitBreaker
     ) -> None:
         self.primary = primary
         self.fallback = fallback
@@ -42,6 +42,9 @@ class RedisWithFallback(StockStrategy):
 
     def sync_redis(self, *, item: Item) -> None:
         self.primary.sync_redis(item=item)
+
+    def return_units(self, *, item: Item, order: Order) -> None:
+        self.primary.return_units(item=item, order=order)
 
     def redis_stock(self, *, item: Item) -> int | None:
         return self.primary.redis_stock(item=item)

@@ -33,6 +33,11 @@ def stock_key(item: Item) -> str:
     return redis_key("item", item.sku, "sale", item.current_sale_id, "stock")
 
 
+def returned_marker(order: Order) -> str:
+    """Set once an order's units are back in Redis, so a retried give-back adds nothing."""
+    return redis_key("order", order.pk, "returned")
+
+
 class LuaStrategy(StockStrategy):
     name = "lua"
     uses_redis = True
@@ -84,6 +89,9 @@ class LuaStrategy(StockStrategy):
 
     def sync_redis(self, *, item: Item) -> None:
         self._counter().set(stock_key(item), read_stock(item.pk).stock)
+
+    def return_units(self, *, item: Item, order: Order) -> None:
+        self._counter().give_back_once(returned_marker(order), {stock_key(item): order.qty})
 
     def redis_stock(self, *, item: Item) -> int | None:
         return self._counter().get(stock_key(item))

@@ -32,6 +32,7 @@ from ..redis_client import REDIS_DOWN_ERRORS, get_redis_client, redis_key
 from ..stock import shard_stocks, simulate_work, take_item_units, take_shard_units
 from .base import Allocation, RecordOrder, StockStrategy
 from .lock import ensure_still_held, new_lock, release_quietly
+from .lua import returned_marker
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +184,13 @@ class SegmentedStrategy(StockStrategy):
     def sync_redis(self, *, item: Item) -> None:
         if item.shard_count:
             self._write_hints(item, shard_stocks(item.pk))
+
+    def return_units(self, *, item: Item, order: Order) -> None:
+        amounts = {
+            shard_key(item, int(index)): units for index, units in (order.shard_units or {}).items()
+        }
+        if amounts:
+            StockCounter(get_redis_client()).give_back_once(returned_marker(order), amounts)
 
     def redis_stock(self, *, item: Item) -> int | None:
         if not item.shard_count:

@@ -7,7 +7,7 @@ from decimal import Decimal, InvalidOperation
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from inventory import selectors, services
+from inventory import orders, selectors, services
 from inventory.exceptions import CheckoutError
 from inventory.strategies import strategy_names
 
@@ -23,7 +23,9 @@ class Command(BaseCommand):
     help = "Start a sale of an item, or audit the current one."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        actions = parser.add_subparsers(dest="action", required=True, metavar="{start,audit}")
+        actions = parser.add_subparsers(
+            dest="action", required=True, metavar="{start,audit,reconcile}"
+        )
         start = actions.add_parser(
             "start",
             help="(Re)start the sale of SKU: create it if new, set stock and strategy, clear "
@@ -38,13 +40,20 @@ class Command(BaseCommand):
         audit = actions.add_parser("audit", help="Check SKU's invariants after a sale.")
         audit.add_argument("sku")
         audit.add_argument("--json", action="store_true", help="print one JSON object")
+        reconcile = actions.add_parser(
+            "reconcile",
+            help="Recompute SKU's stock from its orders; repair the item, shards and Redis.",
+        )
+        reconcile.add_argument("sku")
 
     def handle(self, *args: object, **options: object) -> None:
         try:
             if options["action"] == "start":
                 self._start(options)
-            else:
+            elif options["action"] == "audit":
                 self._audit(options)
+            else:
+                self._reconcile(options)
         except CheckoutError as error:
             raise CommandError(error.detail) from None
 
@@ -62,6 +71,14 @@ class Command(BaseCommand):
             f"sale {sale.pk} of {sale.item.sku} started: {sale.initial_stock} units through "
             f"{sale.strategy}{limit}"
         )
+
+    def _reconcile(self, options: dict) -> None:
+        selectors.get_item(options["sku"])  # unknown sku: a clear error, not a traceback
+        changes = orders.reconcile_sale(options["sku"])
+        for change in changes:
+            self.stdout.write(change)
+        if not changes:
+            self.stdout.write(f"{options['sku']}: database, shards and Redis already agree")
 
     def _audit(self, options: dict) -> None:
         report = selectors.audit_sale(options["sku"])

@@ -1,0 +1,217 @@
+"""The order lifecycle after the 201: services for workers, the sweeper and the reconciler.
+
+    pending ──pay──> paid ──confirm──> confirmed
+       │ └─declined─> failed    (units given back)
+       └──hold time─> expired   (units given back)
+
+Every transition is a guarded change of the current status under the order's row lock, so a
+task delivered twice, or a worker and the sweeper racing, change an order once. The payment
+attempt is written in the same transaction as the move out of `pending`: a worker killed
+mid-payment leaves nothing behind and the redelivered task pays once.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import redis
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Q, Sum
+from django.utils import timezone
+from kombu.exceptions import KombuError
+
+from . import stock
+from .breaker import broker_breaker
+from .models import LIVE_STATUSES, Item, Order, OrderStatus, PaymentAttempt
+from .redis_client import REDIS_DOWN_ERRORS
+from .strategies import get_strategy
+
+logger = logging.getLogger(__name__)
+
+#: Statuses a worker still has to move on.
+OPEN_STATUSES = (OrderStatus.PENDING, OrderStatus.PAID)
+#: Statuses whose units went back to the item.
+RETURNED_STATUSES = (OrderStatus.FAILED, OrderStatus.EXPIRED)
+
+_PUBLISH_ERRORS = (KombuError, OSError, redis.exceptions.RedisError)
+
+
+def enqueue_order(order_pk: int) -> bool:
+    """Publish the order's processing task; False (and logged) if the broker is unreachable.
+
+    Never raises: the order row is the outbox, and the sweeper enqueues what this missed.
+    """
+    from .tasks import process_order_task
+
+    if not broker_breaker.allow():
+        return False
+    try:
+        process_order_task.apply_async((order_pk,), retry=False)
+    except _PUBLISH_ERRORS as exc:
+        broker_breaker.record_failure(exc)
+        logger.warning("order %s not enqueued (%s): the sweeper will", order_pk, exc)
+        return False
+    broker_breaker.record_success()
+    return True
+
+
+def simulate_payment(order: Order) -> bool:
+    """The payment provider stand-in: takes FLASHSALE_PAYMENT_LATENCY_MS and declines a
+    FLASHSALE_PAYMENT_FAILURE_RATE share of payments. Records the attempt."""
+    if settings.FLASHSALE_PAYMENT_LATENCY_MS > 0:
+        time.sleep(settings.FLASHSALE_PAYMENT_LATENCY_MS / 1000)
+    approved = random.random() >= settings.FLASHSALE_PAYMENT_FAILURE_RATE
+    PaymentAttempt.objects.create(order=order, approved=approved)
+    return approved
+
+
+def pay_order(order_pk: int) -> str | None:
+    """Move a pending order to paid or failed; return its status (None if it is gone)."""
+    with transaction.atomic():
+        order = Order.objects.select_for_update().filter(pk=order_pk).first()
+        if order is None or order.status != OrderStatus.PENDING:
+            return None if order is None else order.status
+        if simulate_payment(order):
+            order.status = OrderStatus.PAID
+        else:
+            order.status = OrderStatus.FAILED
+            stock.return_units(order)
+        order.save(update_fields=["status", "updated_at"])
+        return order.status
+
+
+def confirm_order(order_pk: int) -> bool:
+    """paid -> confirmed; False if the order was not paid (already confirmed, say)."""
+    changed = Order.objects.filter(pk=order_pk, status=OrderStatus.PAID).update(
+        status=OrderStatus.CONFIRMED, updated_at=timezone.now()
+    )
+    return changed == 1
+
+
+def return_units_to_redis(order: Order) -> None:
+    """Give a failed or expired order's units back to Redis, at most once per order.
+
+    Raises Redis connection errors (a task retries); a sale restarted since has nothing to
+    give back to.
+    """
+    item = Item.objects.get(pk=order.item_id)
+    if item.current_sale_id == order.sale_id:
+        get_strategy(item.strategy).return_units(item=item, order=order)
+
+
+def process_order(*, order_pk: int) -> str | None:
+    """What a worker does with an order: pay, confirm, or give failed units back to Redis.
+
+    Idempotent: running it again for the same order changes nothing more.
+    """
+    status = pay_order(order_pk)
+    if status == OrderStatus.PAID and confirm_order(order_pk):
+        status = OrderStatus.CONFIRMED
+    if status in RETURNED_STATUSES:
+        return_units_to_redis(Order.objects.get(pk=order_pk))
+    return status
+
+
+def expire_order(order_pk: int) -> bool:
+    """pending -> expired, giving the units back; skips an order a worker is paying now."""
+    with transaction.atomic():
+        order = (
+            Order.objects.select_for_update(skip_locked=True)
+            .filter(pk=order_pk, status=OrderStatus.PENDING)
+            .first()
+        )
+        if order is None:
+            return False
+        order.status = OrderStatus.EXPIRED
+        order.save(update_fields=["status", "updated_at"])
+        stock.return_units(order)
+    try:
+        return_units_to_redis(order)
+    except REDIS_DOWN_ERRORS as exc:
+        logger.warning(
+            "order %s expired; Redis give-back left to the reconciler (%s)", order.pk, exc
+        )
+    return True
+
+
+@dataclass
+class SweepReport:
+    expired: list[int] = field(default_factory=list)
+    requeued: list[int] = field(default_factory=list)
+    not_requeued: int = 0
+
+
+def sweep_orders(*, now=None, batch: int = 1000) -> SweepReport:
+    """Expire orders pending past the hold time; enqueue again those left open too long."""
+    now = now or timezone.now()
+    report = SweepReport()
+    hold_cutoff = now - timedelta(seconds=settings.FLASHSALE_ORDER_HOLD_SECONDS)
+    overdue = Order.objects.filter(status=OrderStatus.PENDING, created_at__lt=hold_cutoff)
+    for order_pk in overdue.order_by("pk").values_list("pk", flat=True)[:batch]:
+        if expire_order(order_pk):
+            report.expired.append(order_pk)
+    requeue_cutoff = now - timedelta(seconds=settings.FLASHSALE_REQUEUE_AFTER_SECONDS)
+    stale = Order.objects.filter(
+        Q(requeued_at__isnull=True) | Q(requeued_at__lt=requeue_cutoff),
+        status__in=OPEN_STATUSES,
+        updated_at__lt=requeue_cutoff,
+    )
+    for order_pk in stale.order_by("pk").values_list("pk", flat=True)[:batch]:
+        if not enqueue_order(order_pk):
+            report.not_requeued = stale.count() - len(report.requeued)
+            break
+        Order.objects.filter(pk=order_pk).update(requeued_at=now)
+        report.requeued.append(order_pk)
+    return report
+
+
+def reconcile_sale(sku: str) -> list[str]:
+    """Recompute what is left from the orders; repair the item row, its shards and Redis.
+
+    Returns one line per change made (empty when everything already agreed).
+    """
+    changes: list[str] = []
+    with transaction.atomic():
+        # The item row lock holds back checkouts, payments and expiries of this item, so the
+        # orders read below are exactly those behind its stock.
+        item = (
+            Item.objects.select_for_update(of=("self",))
+            .select_related("current_sale")
+            .get(sku=sku)
+        )
+        sale = item.current_sale
+        if sale is None:
+            return changes
+        live = Order.objects.filter(sale=sale, status__in=LIVE_STATUSES)
+        accepted = live.aggregate(units=Sum("qty"))["units"] or 0
+        expected = sale.initial_stock - accepted
+        if expected < 0:
+            changes.append(f"{sku}: oversold by {-expected} units; nothing to repair it with")
+            return changes
+        if item.stock != expected:
+            changes.append(f"{sku}: database stock {item.stock} -> {expected}")
+            Item.objects.filter(pk=item.pk).update(stock=expected)
+            item.stock = expected
+        if item.shard_count:
+            expected_shards = dict(
+                enumerate(stock.split_stock(sale.initial_stock, item.shard_count))
+            )
+            for shard_units in live.exclude(shard_units=None).values_list("shard_units", flat=True):
+                for index, units in shard_units.items():
+                    expected_shards[int(index)] -= units
+            for index, units in sorted(stock.shard_stocks(item.pk).items()):
+                if units != expected_shards[index] and expected_shards[index] >= 0:
+                    changes.append(f"{sku}: shard {index} {units} -> {expected_shards[index]}")
+                    stock.set_shard_stock(item.pk, index, expected_shards[index])
+    strategy = get_strategy(item.strategy)
+    if strategy.counts_in_redis:
+        before = strategy.redis_stock(item=item)
+        if before != item.stock:
+            strategy.sync_redis(item=item)
+            changes.append(f"{sku}: Redis stock {before} -> {strategy.redis_stock(item=item)}")
+    return changes

@@ -1,0 +1,41 @@
+"""Celery tasks. Each takes primary keys, calls one service, and is safe to run twice."""
+
+from __future__ import annotations
+
+from celery import shared_task
+from django.db import InterfaceError, OperationalError
+
+from . import orders
+from .models import Item
+from .redis_client import REDIS_DOWN_ERRORS
+
+#: Errors worth retrying: the database or Redis was briefly unreachable.
+TRANSIENT_ERRORS = (OperationalError, InterfaceError, *REDIS_DOWN_ERRORS)
+
+
+@shared_task(
+    acks_late=True,
+    reject_on_worker_lost=True,
+    autoretry_for=TRANSIENT_ERRORS,
+    retry_backoff=1,
+    retry_backoff_max=30,
+    retry_jitter=True,
+    max_retries=20,
+)
+def process_order_task(order_pk: int) -> str | None:
+    """Pay and confirm an order, or give a failed one's units back."""
+    return orders.process_order(order_pk=order_pk)
+
+
+@shared_task
+def sweep_orders_task() -> dict[str, int]:
+    report = orders.sweep_orders()
+    return {"expired": len(report.expired), "requeued": len(report.requeued)}
+
+
+@shared_task
+def reconcile_sales_task() -> list[str]:
+    changes: list[str] = []
+    for sku in Item.objects.exclude(current_sale=None).values_list("sku", flat=True):
+        changes.extend(orders.reconcile_sale(sku))
+    return changes
