@@ -180,9 +180,7 @@ def reconcile_sale(sku: str) -> list[str]:
         # The item row lock holds back checkouts, payments and expiries of this item, so the
         # orders read below are exactly those behind its stock.
         item = (
-            Item.objects.select_for_update(of=("self",))
-            .select_related("current_sale")
-            .get(sku=sku)
+            Item.objects.select_for_update(of=("self",)).select_related("current_sale").get(sku=sku)
         )
         sale = item.current_sale
         if sale is None:
