@@ -6,6 +6,7 @@ Errors are always `{"error": CODE, "detail": ...}`.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,8 @@ from . import selectors, services
 from .exceptions import Busy, CheckoutError, InvalidRequest
 from .models import Order
 
+logger = logging.getLogger(__name__)
+
 CHECKOUT_FIELDS = {"sku", "qty", "buyer", "idempotency_key"}
 
 
@@ -28,7 +31,10 @@ def error_response(
 
 
 def checkout_error_response(error: CheckoutError) -> JsonResponse:
-    headers = {"Retry-After": str(error.retry_after)} if isinstance(error, Busy) else None
+    headers = None
+    if isinstance(error, Busy):
+        logger.warning("busy: %s", error.detail)
+        headers = {"Retry-After": str(error.retry_after)}
     return error_response(error.code, error.detail, error.status, headers)
 
 

@@ -91,7 +91,10 @@ def rebuild_redis_state() -> None:
 
 
 def _probe_redis() -> None:
+    from .strategies.lock import release_unsettled_locks
+
     get_redis_client().ping()
+    release_unsettled_locks()
     rebuild_redis_state()
 
 

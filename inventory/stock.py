@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from django.conf import settings
-from django.db import connection
+from django.db import OperationalError, connection
 from django.db.models import F
 
 from .models import BuyerAllowance, Item, Order, StockShard
@@ -27,6 +27,29 @@ class StockRow:
 
 def read_stock(item_id: int) -> StockRow:
     stock, version = Item.objects.values_list("stock", "version").get(pk=item_id)
+    return StockRow(stock=stock, version=version)
+
+
+class RowLockTimeout(Exception):
+    """The item row stayed locked longer than FLASHSALE_ROW_LOCK_TIMEOUT_MS."""
+
+
+def lock_stock_row(item_id: int) -> StockRow:
+    """Read the item's stock holding its row lock until the transaction ends.
+
+    Call inside a transaction. Waits at most FLASHSALE_ROW_LOCK_TIMEOUT_MS, then raises
+    RowLockTimeout (the transaction is then unusable: let it roll back).
+    """
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SET LOCAL lock_timeout = '{int(settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS)}ms'"
+        )
+    try:
+        stock, version = (
+            Item.objects.select_for_update().values_list("stock", "version").get(pk=item_id)
+        )
+    except OperationalError as exc:
+        raise RowLockTimeout(str(exc)) from exc
     return StockRow(stock=stock, version=version)
 
 

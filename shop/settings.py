@@ -154,7 +154,9 @@ FLASHSALE_LOCK_WATCHDOG = env.bool("FLASHSALE_LOCK_WATCHDOG", default=True)
 # UPDATE, which oversells as soon as a lock expires mid-work. Never turn off outside a demo.
 FLASHSALE_LOCK_GUARDED_WRITE = env.bool("FLASHSALE_LOCK_GUARDED_WRITE", default=True)
 # Optimistic: how many version-checked attempts before answering busy.
-FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS = env.int("FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS", default=60)
+FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS = env.int("FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS", default=20)
+# ...after which one attempt queues for the item's row lock, at most this long (ms).
+FLASHSALE_ROW_LOCK_TIMEOUT_MS = env.int("FLASHSALE_ROW_LOCK_TIMEOUT_MS", default=3000)
 # Circuit breaker: how often a process probes Redis while it is down.
 FLASHSALE_BREAKER_PROBE_SECONDS = env.float("FLASHSALE_BREAKER_PROBE_SECONDS", default=1.0)
 # Celery broker breaker: how often a process retries publishing while the broker is down.

@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import logging
+import threading
+import uuid
 
 from django.conf import settings
 from django.db import transaction
 
-from locking import Lock, LockNotOwnedError
+from locking import Lock, LockError, LockNotOwnedError
 
 from ..breaker import breaker
 from ..exceptions import Busy, SoldOut
 from ..models import Item, Order
 from ..redis_client import REDIS_DOWN_ERRORS, get_redis_client, redis_key
-from ..stock import back_off, read_stock, simulate_work, take_item_units
+from ..stock import (
+    RowLockTimeout,
+    back_off,
+    lock_stock_row,
+    read_stock,
+    simulate_work,
+    take_item_units,
+)
 from .base import Allocation, RecordOrder, StockStrategy
 
 logger = logging.getLogger(__name__)
@@ -44,15 +53,53 @@ def ensure_still_held(lock: Lock, sku: str) -> None:
         )
 
 
+#: Locks this process may hold without knowing it: a SET NX or a release that timed out may
+#: still run on the server (a paused Redis runs it when it wakes). Released on recovery, so
+#: waiters need not sit out the lock's TTL.
+_unsettled: set[tuple[str, bytes]] = set()
+_unsettled_lock = threading.Lock()
+
+
+def acquire_lock(lock: Lock, **options: object) -> bool:
+    """`lock.acquire(**options)`, remembering the token if Redis fails mid-way."""
+    token = uuid.uuid4().hex.encode()
+    try:
+        return lock.acquire(token=token, **options)
+    except REDIS_DOWN_ERRORS:
+        with _unsettled_lock:
+            _unsettled.add((lock.name, token))
+        raise
+
+
 def release_quietly(lock: Lock) -> None:
     """Release after the work is done; by then a failure must not undo a committed order."""
+    token = lock.local.token  # release() forgets it before it talks to Redis
     try:
         lock.release()
     except LockNotOwnedError:
         logger.info("lock %s had expired before release", lock.name)
     except REDIS_DOWN_ERRORS as exc:
         breaker.record_failure(exc)
-        logger.warning("could not release %s: Redis is down; it expires by itself", lock.name)
+        if token is not None:
+            with _unsettled_lock:
+                _unsettled.add((lock.name, token))
+        logger.warning("could not release %s: Redis is down; released on recovery", lock.name)
+
+
+def release_unsettled_locks() -> None:
+    """Release, if still ours, every lock a Redis failure left in doubt (on recovery)."""
+    with _unsettled_lock:
+        pending = list(_unsettled)
+    client = get_redis_client()
+    for name, token in pending:
+        lock = Lock(client, name)
+        lock.local.token = token
+        try:
+            lock.release()
+        except LockError:
+            pass  # never taken, or expired already
+        with _unsettled_lock:
+            _unsettled.discard((name, token))
 
 
 class LockStrategy(StockStrategy):
@@ -65,7 +112,7 @@ class LockStrategy(StockStrategy):
         if seen.stock < qty:
             raise SoldOut(sku=item.sku, requested=qty, remaining=seen.stock)
         lock = new_lock(redis_key("lock", "item", item.sku))
-        if not lock.acquire():
+        if not acquire_lock(lock):
             raise Busy(
                 f"{item.sku}: lock still held after {settings.FLASHSALE_LOCK_WAIT_MS} ms",
                 retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
@@ -78,17 +125,25 @@ class LockStrategy(StockStrategy):
                 if order is not None:
                     return order
                 back_off(attempt)
+            # Still losing: queue for the row lock rather than race on.
+            return self._take_locked(item, qty, record, lock, queued=True)
+        except RowLockTimeout:
             raise Busy(
-                f"{item.sku}: stock kept changing outside the lock",
+                f"{item.sku}: the item row stayed locked by writers outside the lock",
                 retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
-            )
+            ) from None
         finally:
             release_quietly(lock)
 
-    def _take_locked(self, item: Item, qty: int, record: RecordOrder, lock: Lock) -> Order | None:
-        """One read-check-write under the lock; None when the version moved meanwhile."""
+    def _take_locked(
+        self, item: Item, qty: int, record: RecordOrder, lock: Lock, *, queued: bool = False
+    ) -> Order | None:
+        """One read-check-write under the lock; None when the version moved meanwhile.
+
+        `queued` reads holding the item's row lock, so the version cannot move.
+        """
         with transaction.atomic():
-            seen = read_stock(item.pk)
+            seen = lock_stock_row(item.pk) if queued else read_stock(item.pk)
             if seen.stock < qty:
                 raise SoldOut(sku=item.sku, requested=qty, remaining=seen.stock)
             simulate_work()

@@ -31,7 +31,7 @@ from ..models import Item, Order
 from ..redis_client import REDIS_DOWN_ERRORS, get_redis_client, redis_key
 from ..stock import shard_stocks, simulate_work, take_item_units, take_shard_units
 from .base import Allocation, RecordOrder, StockStrategy
-from .lock import ensure_still_held, new_lock, release_quietly
+from .lock import acquire_lock, ensure_still_held, new_lock, release_quietly
 from .lua import returned_marker
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class SegmentedStrategy(StockStrategy):
             if hints[index] < qty:
                 continue
             lock = shard_lock(item, index)
-            if not lock.acquire(blocking=False):
+            if not acquire_lock(lock, blocking=False):
                 busy.append(index)
                 continue
             order = self._serve_locked(item, qty, record, {index: qty}, [lock])
@@ -89,7 +89,7 @@ class SegmentedStrategy(StockStrategy):
             if remaining_wait <= 0:
                 break
             lock = shard_lock(item, index)
-            if not lock.acquire(blocking_timeout=remaining_wait):
+            if not acquire_lock(lock, blocking_timeout=remaining_wait):
                 continue
             order = self._serve_locked(item, qty, record, {index: qty}, [lock])
             if order is not None:
@@ -106,7 +106,7 @@ class SegmentedStrategy(StockStrategy):
         try:
             for index in range(item.shard_count):
                 lock = shard_lock(item, index)
-                if not lock.acquire(blocking_timeout=max(deadline - time.monotonic(), 0.001)):
+                if not acquire_lock(lock, blocking_timeout=max(deadline - time.monotonic(), 0.001)):
                     raise Busy(
                         f"{item.sku}: could not lock every shard in time",
                         retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
