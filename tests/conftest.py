@@ -13,11 +13,13 @@ from collections.abc import Iterator
 from urllib.parse import quote
 
 import pytest
+import redis
 from django.conf import settings
 from django.db import connection
 
 from loadtest.server import PROJECT_DIR as ROOT
 from loadtest.server import ShopServer
+from tests.support import delete_prefix, redis_url, unique_prefix
 
 #: Shared by the test process and every server and worker it starts: the same Redis keys and
 #: the same Celery queue, neither of which anything outside this run touches.
@@ -39,6 +41,22 @@ def _isolated_redis_and_queue() -> Iterator[None]:
     keys += list(client.scan_iter(match=f"_kombu.binding*.{TASK_QUEUE}", count=1000))
     if keys:
         client.delete(*keys)
+
+
+@pytest.fixture
+def r() -> Iterator[redis.Redis]:
+    """A plain client of the shared test Redis, for tests of `locking` alone."""
+    client = redis.Redis.from_url(redis_url())
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def prefix(r: redis.Redis, request) -> Iterator[str]:
+    """A key prefix of this test's own, deleted afterwards."""
+    key_prefix = unique_prefix(request.node.module.__name__.rsplit(".", 1)[-1])
+    yield key_prefix
+    delete_prefix(r, key_prefix)
 
 
 def test_database_url() -> str:

@@ -3,27 +3,12 @@
 from __future__ import annotations
 
 import multiprocessing
-from collections.abc import Iterator
 
 import pytest
 import redis
 
 from locking import StockCounter
 from tests.support import delete_prefix, redis_url, unique_prefix
-
-
-@pytest.fixture
-def r() -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url())
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def prefix(r: redis.Redis) -> Iterator[str]:
-    key_prefix = unique_prefix("counter")
-    yield key_prefix
-    delete_prefix(r, key_prefix)
 
 
 def test_take_exact_results(r: redis.Redis, prefix: str) -> None:

@@ -26,27 +26,13 @@ from redis.retry import Retry
 
 import locking
 from locking import Lock, scripts
-from tests.support import delete_prefix, redis_url, unique_prefix
+from tests.support import redis_url
 from tests.support.redis_server import RedisServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 # -- fixtures --------------------------------------------------------------------------
-
-
-@pytest.fixture
-def r() -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url())
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def prefix(r: redis.Redis) -> Iterator[str]:
-    key_prefix = unique_prefix("lock")
-    yield key_prefix
-    delete_prefix(r, key_prefix)
 
 
 @pytest.fixture(scope="module")
