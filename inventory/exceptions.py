@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 
 class CheckoutError(Exception):
     """Base of every error a checkout answers with; `code` is the API's error code."""
@@ -68,3 +70,12 @@ class NotOnSale(CheckoutError):
 
     def __init__(self, sku: str) -> None:
         super().__init__(f"{sku} has no sale running: start one with `manage.py sale start`")
+
+
+class NotStarted(CheckoutError):
+    code = "not_started"
+    status = 409
+
+    def __init__(self, sku: str, opens_at: datetime) -> None:
+        super().__init__(f"the sale of {sku} opens at {opens_at.isoformat()}")
+        self.opens_at = opens_at

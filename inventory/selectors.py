@@ -40,6 +40,7 @@ def item_payload(item: Item) -> dict[str, Any]:
         "per_buyer_limit": item.per_buyer_limit,
         "initial_stock": sale.initial_stock if sale else None,
         "sale_started_at": sale.started_at.isoformat() if sale else None,
+        "opens_at": sale.opens_at.isoformat() if sale else None,
     }
 
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from datetime import timedelta
 from decimal import Decimal
 
 from django.db import IntegrityError, connection, transaction
+from django.utils import timezone
 
-from .exceptions import InvalidRequest, LimitReached, NotOnSale, UnknownSku
+from .exceptions import InvalidRequest, LimitReached, NotOnSale, NotStarted, UnknownSku
 from .models import BuyerAllowance, Item, Order, Sale, StockShard
 from .orders import enqueue_order
 from .redis_client import REDIS_DOWN_ERRORS, get_redis_client, redis_key
@@ -41,11 +43,13 @@ def place_order(
         if replay is not None:
             return CheckoutResult(order=replay, created=False)
     try:
-        item = Item.objects.get(sku=sku)
+        item = Item.objects.select_related("current_sale").get(sku=sku)
     except Item.DoesNotExist:
         raise UnknownSku(sku) from None
-    if item.current_sale_id is None:
+    if item.current_sale is None:
         raise NotOnSale(sku)
+    if item.current_sale.opens_at > timezone.now():
+        raise NotStarted(sku, item.current_sale.opens_at)
     limit = item.per_buyer_limit
     if limit is not None and qty > limit:
         raise LimitReached(sku=sku, limit=limit)
@@ -116,6 +120,7 @@ def start_sale(
     limit: int | None = None,
     name: str | None = None,
     price: Decimal | None = None,
+    opens_in: float = 0,
 ) -> Sale:
     """(Re)start the sale of sku: create the item if new, set stock, strategy and limit, clear
     its earlier orders, split its shards, and warm Redis once committed.
@@ -123,6 +128,8 @@ def start_sale(
     Raises InvalidRequest for a bad argument; nothing is written then.
     """
     _validate_sale(sku=sku, stock=stock, strategy=strategy, limit=limit, price=price)
+    if not 0 <= opens_in <= 7 * 24 * 3600:
+        raise InvalidRequest("opens in: from 0 seconds to a week")
     selling = get_strategy(strategy)
     item, _ = Item.objects.select_for_update().get_or_create(
         sku=sku, defaults={"name": name or sku.replace("-", " ").title()}
@@ -131,7 +138,11 @@ def start_sale(
     BuyerAllowance.objects.filter(item=item).delete()
     StockShard.objects.filter(item=item).delete()
     sale = Sale.objects.create(
-        item=item, initial_stock=stock, strategy=strategy, per_buyer_limit=limit
+        item=item,
+        initial_stock=stock,
+        strategy=strategy,
+        per_buyer_limit=limit,
+        opens_at=timezone.now() + timedelta(seconds=opens_in),
     )
     item.stock = stock
     item.version += 1

@@ -178,3 +178,12 @@ def test_healthz_reports_redis_down(client, settings):
     state = client.get("/healthz").json()
     assert state["database"] == "ok" and state["redis"].startswith("down")
     assert state["fallback_active"] is True
+
+
+def test_checkout_before_the_sale_opens_is_refused(client):
+    start_sale(sku="widget", stock=5, strategy="lua", opens_in=3600)
+    item = client.get("/api/items/widget").json()
+    assert item["opens_at"] > item["sale_started_at"]
+    response = _checkout(client, sku="widget", qty=1, buyer="ann")
+    assert response.status_code == 409 and response.json()["error"] == "not_started"
+    assert Order.objects.count() == 0 and Item.objects.get(sku="widget").stock == 5

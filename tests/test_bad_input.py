@@ -117,6 +117,7 @@ def test_unknown_item_and_order_are_404_json(client, item):
         ["start", "bad sku!", "--stock", "5", "--strategy", "lua"],
         ["start", "gadget", "--stock", "many", "--strategy", "lua"],
         ["start", "gadget", "--stock", "5", "--strategy", "lua", "--price", "-3"],
+        ["start", "gadget", "--stock", "5", "--strategy", "lua", "--opens-in", "-1"],
         ["audit", "nope"],
     ],
 )

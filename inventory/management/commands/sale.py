@@ -37,6 +37,13 @@ class Command(BaseCommand):
         start.add_argument("--limit", type=int, default=None, help="most units per buyer")
         start.add_argument("--name", default=None, help="display name (default: from the sku)")
         start.add_argument("--price", type=_decimal, default=None)
+        start.add_argument(
+            "--opens-in",
+            type=float,
+            default=0,
+            metavar="SECONDS",
+            help="open checkout this many seconds from now (default: at once)",
+        )
         audit = actions.add_parser("audit", help="Check SKU's invariants after a sale.")
         audit.add_argument("sku")
         audit.add_argument("--json", action="store_true", help="print one JSON object")
@@ -65,6 +72,7 @@ class Command(BaseCommand):
             limit=options["limit"],
             name=options["name"],
             price=options["price"],
+            opens_in=options["opens_in"],
         )
         limit = f", at most {sale.per_buyer_limit} per buyer" if sale.per_buyer_limit else ""
         self.stdout.write(
