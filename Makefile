@@ -15,11 +15,11 @@ PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test serve demo lint fmt clean
+.PHONY: help venv test serve demo lint fmt clean chromium
 
 help: ## list the targets
 	@echo "flashsale make targets:"
-	@awk 'BEGIN {FS = ":.*## "} /^[a-z]+:.*## / {printf "  %-7s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@awk 'BEGIN {FS = ":.*## "} /^[a-z]+:.*## / {printf "  %-9s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 	@echo "Variables: PYTEST_ARGS, DEMO_ARGS, HOST/PORT/WORKERS (serve), PYTHON (bootstrap)."
 	@echo "DATABASE_URL / REDIS_URL unset => embedded PostgreSQL / Redis with data in .data/."
 
@@ -44,6 +44,20 @@ serve: $(STAMP) ## migrate, then serve on HOST:PORT (127.0.0.1:8000) plus a Cele
 
 demo: $(STAMP) ## run the load demo (DEMO_ARGS="..." passed to python -m loadtest.demo)
 	$(RUN) $(PY) -m loadtest.demo $(DEMO_ARGS)
+
+chromium: ## install Debian's chromium and chromium-driver for the browser tests (root only)
+	@if [ -x /usr/bin/chromium ]; then \
+	  echo "chromium: $$(/usr/bin/chromium --version 2>/dev/null || echo present at /usr/bin/chromium)"; \
+	elif [ "$$(id -u)" != 0 ]; then \
+	  echo "chromium: /usr/bin/chromium is missing and this is not root: skipping the install;" \
+	    "the browser tests will be skipped (as root: apt-get install chromium chromium-driver)"; \
+	elif ! command -v apt-get >/dev/null 2>&1; then \
+	  echo "chromium: /usr/bin/chromium is missing and there is no apt-get: skipping the install;" \
+	    "the browser tests will be skipped"; \
+	else \
+	  DEBIAN_FRONTEND=noninteractive apt-get update && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y chromium chromium-driver; \
+	fi
 
 lint: $(STAMP) ## ruff check and ruff format --check
 	$(PY) -m ruff check .
