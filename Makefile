@@ -42,8 +42,8 @@ test: $(STAMP) ## run pytest (PYTEST_ARGS="-k lock -x" ...)
 serve: $(STAMP) ## migrate, then serve on HOST:PORT (127.0.0.1:8000) plus a Celery worker; Ctrl-C stops
 	$(RUN) $(PY) -m shop.serve --host $(HOST) --port $(PORT) --workers $(WORKERS)
 
-demo: $(STAMP) ## run the load demo (DEMO_ARGS="..." passed to python -m loadtest.demo)
-	$(RUN) $(PY) -m loadtest.demo $(DEMO_ARGS)
+demo: $(STAMP) ## flood every strategy with Locust, print the comparison, write the report (DEMO_ARGS="--stock 500 ...")
+	$(RUN) sh -c '$(PY) manage.py migrate --noinput -v 0 && exec $(PY) manage.py loadtest $(DEMO_ARGS)'
 
 chromium: ## install Debian's chromium and chromium-driver for the browser tests (root only)
 	@if [ -x /usr/bin/chromium ]; then \

@@ -18,6 +18,7 @@ from django.views.decorators.csrf import csrf_exempt
 from . import selectors, services
 from .exceptions import Busy, CheckoutError, InvalidRequest
 from .models import Order
+from .strategies.lock import lock_wait_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,15 @@ def _read_body(request: HttpRequest) -> bytes:
 def checkout(request: HttpRequest) -> JsonResponse:
     if request.method != "POST":
         return method_not_allowed(request, "POST")
+    lock_wait_seconds.set(0.0)
+    response = _checkout(request)
+    waited = lock_wait_seconds.get()
+    if waited:
+        response["Server-Timing"] = f"lock;dur={waited * 1000:.2f}"
+    return response
+
+
+def _checkout(request: HttpRequest) -> JsonResponse:
     try:
         parsed = parse_checkout(_read_body(request))
         result = services.place_order(
@@ -127,6 +137,31 @@ def checkout(request: HttpRequest) -> JsonResponse:
     if not result.created:
         headers["Idempotent-Replayed"] = "true"
     return JsonResponse(selectors.checkout_payload(result.order), status=201, headers=headers)
+
+
+@csrf_exempt
+def noop(request: HttpRequest) -> JsonResponse:
+    """The HTTP ceiling: what a request costs with no database and no Redis behind it.
+
+    Reads and parses the body like a checkout does, so a load run's baseline pays the same
+    HTTP and JSON work as the strategies it is compared with.
+    """
+    if request.method == "POST":
+        try:
+            parse_checkout(_read_body(request))
+        except (CheckoutError, RequestDataTooBig):
+            pass
+    return JsonResponse({"ok": True})
+
+
+def item_audit(request: HttpRequest, sku: str) -> JsonResponse:
+    """`sale audit SKU --json` over HTTP, for load tools running on another machine."""
+    if request.method != "GET":
+        return method_not_allowed(request, "GET")
+    try:
+        return JsonResponse(selectors.audit_sale(sku))
+    except CheckoutError as error:
+        return checkout_error_response(error)
 
 
 def item_detail(request: HttpRequest, sku: str) -> JsonResponse:

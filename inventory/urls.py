@@ -4,6 +4,8 @@ from . import api
 
 urlpatterns = [
     path("items/<str:sku>", api.item_detail, name="api-item"),
+    path("items/<str:sku>/audit", api.item_audit, name="api-item-audit"),
+    path("noop", api.noop, name="api-noop"),
     path("checkout", api.checkout, name="api-checkout"),
     path("orders/<int:order_id>", api.order_detail, name="api-order"),
 ]

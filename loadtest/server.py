@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
@@ -93,3 +94,65 @@ class ShopServer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+class CeleryWorker:
+    """A real `celery -A shop worker` process, in its own process group."""
+
+    def __init__(
+        self, env: dict[str, str], concurrency: int = 2, log_path: Path | None = None
+    ) -> None:
+        self.env = {**os.environ, **env}
+        self.concurrency = concurrency
+        self.log_path = log_path
+        self.hostname = f"flashsale-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30.0) -> CeleryWorker:
+        command = [
+            sys.executable, "-m", "celery", "-A", "shop", "worker",
+            "--loglevel", "warning", "--concurrency", str(self.concurrency),
+            "--without-gossip", "--without-mingle", "--without-heartbeat",
+            "--hostname", self.hostname,
+        ]  # fmt: skip
+        log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
+        self.process = subprocess.Popen(
+            command,
+            cwd=PROJECT_DIR,
+            env=self.env,
+            start_new_session=True,
+            stdout=log,
+            stderr=subprocess.STDOUT if log else None,
+        )
+        from celery import Celery
+
+        # A bare app on the worker's broker: the project's app may be on another one.
+        broker = self.env.get("CELERY_BROKER_URL") or self.env.get("REDIS_URL")
+        probe = Celery(broker=broker or "redis://127.0.0.1:6379/0")
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"celery worker exited with {self.process.returncode}")
+                replies = probe.control.ping(destination=[self.hostname], timeout=0.5)
+                if any(self.hostname in reply for reply in replies):
+                    return self
+        finally:
+            probe.close()
+        self.kill()
+        raise RuntimeError("celery worker did not answer a ping in time")
+
+    def kill(self) -> None:
+        """SIGKILL the worker and its pool processes at once, as a crash would."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.kill()

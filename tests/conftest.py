@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,8 +13,7 @@ import redis
 from django.conf import settings
 from django.db import connection
 
-from loadtest.server import PROJECT_DIR as ROOT
-from loadtest.server import ShopServer
+from loadtest.server import CeleryWorker, ShopServer
 from tests.support import delete_prefix, redis_url, unique_prefix
 
 #: Shared by the test process and every server and worker it starts: the same Redis keys and
@@ -100,56 +95,6 @@ def shop_server(django_db_setup, django_db_blocker) -> Iterator[ShopServer]:
     server = start_shop(FLASHSALE_UNSAFE_DELAY_MS=15)
     yield server
     server.stop()
-
-
-class CeleryWorker:
-    """A real `celery -A shop worker` process on the test database, in its own process group."""
-
-    def __init__(self, env: dict[str, str], concurrency: int = 2) -> None:
-        self.env = {**os.environ, **env}
-        self.concurrency = concurrency
-        self.hostname = f"test-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float = 30.0) -> CeleryWorker:
-        command = [
-            sys.executable, "-m", "celery", "-A", "shop", "worker",
-            "--loglevel", "warning", "--concurrency", str(self.concurrency),
-            "--without-gossip", "--without-mingle", "--without-heartbeat",
-            "--hostname", self.hostname,
-        ]  # fmt: skip
-        self.process = subprocess.Popen(command, cwd=ROOT, env=self.env, start_new_session=True)
-        from celery import Celery
-
-        # A bare app on the worker's broker: the project's app may be on another one.
-        probe = Celery(broker=self.env["CELERY_BROKER_URL"])
-        deadline = time.monotonic() + timeout
-        try:
-            while time.monotonic() < deadline:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"celery worker exited with {self.process.returncode}")
-                replies = probe.control.ping(destination=[self.hostname], timeout=0.5)
-                if any(self.hostname in reply for reply in replies):
-                    return self
-        finally:
-            probe.close()
-        self.kill()
-        raise RuntimeError("celery worker did not answer a ping in time")
-
-    def kill(self) -> None:
-        """SIGKILL the worker and its pool processes at once, as a crash would."""
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.kill()
 
 
 def start_worker(concurrency: int = 2, **overrides: object) -> CeleryWorker:

@@ -17,7 +17,8 @@ from inventory.models import LIVE_STATUSES, Item, Order, OrderStatus, PaymentAtt
 from inventory.selectors import audit_sale
 from inventory.services import start_sale
 from loadtest.flood import flood
-from tests.conftest import ROOT, server_env, start_shop, start_worker, wait_until
+from loadtest.server import PROJECT_DIR as ROOT
+from tests.conftest import server_env, start_shop, start_worker, wait_until
 from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.django_db(transaction=True)

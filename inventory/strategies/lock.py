@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
+from contextvars import ContextVar
 
 from django.conf import settings
 from django.db import transaction
@@ -60,15 +62,22 @@ _unsettled: set[tuple[str, bytes]] = set()
 _unsettled_lock = threading.Lock()
 
 
+#: Seconds this checkout spent waiting for locks (reported to load tools as Server-Timing).
+lock_wait_seconds: ContextVar[float] = ContextVar("lock_wait_seconds", default=0.0)
+
+
 def acquire_lock(lock: Lock, **options: object) -> bool:
     """`lock.acquire(**options)`, remembering the token if Redis fails mid-way."""
     token = uuid.uuid4().hex.encode()
+    started = time.perf_counter()
     try:
         return lock.acquire(token=token, **options)
     except REDIS_DOWN_ERRORS:
         with _unsettled_lock:
             _unsettled.add((lock.name, token))
         raise
+    finally:
+        lock_wait_seconds.set(lock_wait_seconds.get() + time.perf_counter() - started)
 
 
 def release_quietly(lock: Lock) -> None:

@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class LoadtestConfig(AppConfig):
+    name = "loadtest"
+    verbose_name = "Load runs"

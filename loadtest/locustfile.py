@@ -1,0 +1,174 @@
+"""A flash crowd of buyers for Locust.
+
+    locust -f loadtest/locustfile.py --headless --host http://127.0.0.1:8000 \
+        --sku phone --strategy lua -u 50 -r 50 -t 20s
+
+Each simulated user is one buyer with a unique id: it looks at the item now and then and
+checks out as fast as the shop answers. `201`, `409 sold_out`, `409 limit_reached` and
+`409 not_started` are correct answers in a flash sale and count as successes; `5xx`, timeouts
+and anything else count as failures. Two extra series go into Locust's stats: `UNITS sold`
+(one entry per unit accepted, so its history is units sold over time) and `LOCK wait` (the
+server's lock wait from its Server-Timing header, where the strategy has a lock).
+
+At the end, on the master or the only process, the run is audited over HTTP
+(`GET /api/items/<sku>/audit`): if the sale sold more than it had, the process exits with
+code 3, unless `--allow-oversell` says the oversell is the point (the `unsafe` baseline).
+
+`--baseline` sends the same requests to `/api/noop` instead: the HTTP ceiling of the server.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import urllib.request
+import uuid
+
+from locust import FastHttpUser, LoadTestShape, constant, events, task
+from locust.runners import WorkerRunner
+
+logger = logging.getLogger("flashsale.locust")
+
+#: Exit code of a run whose audit found oversell.
+OVERSOLD_EXIT_CODE = 3
+CORRECT_CONFLICTS = {"sold_out", "limit_reached", "not_started"}
+_LOCK_TIMING = re.compile(r"lock;dur=([0-9.]+)")
+
+
+@events.init_command_line_parser.add_listener
+def _add_options(parser) -> None:
+    group = parser.add_argument_group("flashsale")
+    group.add_argument("--sku", default="", help="the item on sale (required)")
+    group.add_argument("--strategy", default="", help="its strategy, for the record")
+    group.add_argument("--qty", type=int, default=1, help="units per checkout")
+    group.add_argument(
+        "--baseline", action="store_true", help="hit /api/noop instead: the HTTP ceiling"
+    )
+    group.add_argument(
+        "--allow-oversell",
+        action="store_true",
+        help="do not fail the run when the audit finds oversell (the unsafe baseline)",
+    )
+    group.add_argument(
+        "--warmup-share",
+        type=float,
+        default=0.1,
+        help="share of the run with a tenth of the users, before the crowd arrives",
+    )
+
+
+@events.test_start.add_listener
+def _check_options(environment, **_kwargs) -> None:
+    options = environment.parsed_options
+    if options is not None and not options.sku:
+        raise SystemExit("flashsale locustfile: --sku is required")
+
+
+class Buyer(FastHttpUser):
+    """One buyer in the crowd."""
+
+    wait_time = constant(0)
+
+    def on_start(self) -> None:
+        self.buyer = f"buyer-{uuid.uuid4().hex[:12]}"
+        options = self.environment.parsed_options
+        self.sku = options.sku
+        self.qty = options.qty
+        self.baseline = options.baseline
+
+    @task(1)
+    def view_item(self) -> None:
+        if self.baseline:
+            self.client.get("/api/noop", name="item")
+            return
+        with self.client.get(f"/api/items/{self.sku}", name="item", catch_response=True) as r:
+            if r.status_code != 200:
+                r.failure(f"item answered {r.status_code}")
+
+    @task(4)
+    def checkout(self) -> None:
+        body = {"sku": self.sku, "qty": self.qty, "buyer": self.buyer}
+        path = "/api/noop" if self.baseline else "/api/checkout"
+        with self.client.post(path, json=body, name="checkout", catch_response=True) as r:
+            if self.baseline:
+                return
+            self._judge(r)
+
+    def _judge(self, response) -> None:
+        status = response.status_code
+        if status == 201:
+            for _ in range(self.qty):
+                self._record("UNITS", "sold", 0)
+        elif status == 409 and _error_code(response) in CORRECT_CONFLICTS:
+            response.success()
+        else:
+            response.failure(f"{status} {_error_code(response) or ''}".strip())
+            return
+        timing = _LOCK_TIMING.search(response.headers.get("Server-Timing") or "")
+        if timing:
+            self._record("LOCK", "wait", float(timing.group(1)))
+
+    def _record(self, kind: str, name: str, milliseconds: float) -> None:
+        self.environment.events.request.fire(
+            request_type=kind,
+            name=name,
+            response_time=milliseconds,
+            response_length=0,
+            exception=None,
+            context={},
+        )
+
+
+def _error_code(response) -> str | None:
+    try:
+        return json.loads(response.content or b"{}").get("error")
+    except ValueError:
+        return None
+
+
+class FlashCrowd(LoadTestShape):
+    """A trickle of early visitors, then the whole crowd at once, held until the run time ends.
+
+    Uses -u (users), -r (spawn rate) and -t (run time) from the command line.
+    """
+
+    def tick(self):
+        options = self.runner.environment.parsed_options
+        run_time = options.run_time or 60
+        elapsed = self.get_run_time()
+        if elapsed >= run_time:
+            return None
+        users = options.num_users or 1
+        if elapsed < run_time * options.warmup_share:
+            return max(1, users // 10), options.spawn_rate
+        return users, options.spawn_rate
+
+
+@events.test_stop.add_listener
+def _audit(environment, **_kwargs) -> None:
+    if isinstance(environment.runner, WorkerRunner):
+        return
+    options = environment.parsed_options
+    if options is None or options.baseline or not options.sku:
+        return
+    url = f"{environment.host.rstrip('/')}/api/items/{options.sku}/audit"
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            audit = json.loads(response.read())
+    except (OSError, ValueError) as exc:  # an audit that cannot run must fail the run
+        logger.error("audit of %s failed: %s", options.sku, exc)
+        environment.process_exit_code = 1
+        return
+    logger.info("audit %s", json.dumps(audit))
+    if audit.get("oversold"):
+        verdict = "expected for this baseline" if options.allow_oversell else "FAILED"
+        logger.error(
+            "%s (%s) oversold %s units: %s",
+            options.sku,
+            audit.get("strategy"),
+            audit["oversold"],
+            verdict,
+        )
+        if not options.allow_oversell:
+            environment.process_exit_code = OVERSOLD_EXIT_CODE

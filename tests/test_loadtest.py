@@ -1,0 +1,91 @@
+"""Load runs for real: Locust floods a real gunicorn, every run is audited, recorded, reported."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from inventory.models import SaleRun
+from inventory.services import start_sale
+from loadtest.runs import LOCUSTFILE
+from loadtest.server import PROJECT_DIR as ROOT
+from tests.conftest import server_env
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_a_short_load_run_records_audits_and_reports_every_strategy(tmp_path):
+    # Given every strategy, a small stock and a crowd that outnumbers it
+    command = [
+        sys.executable, "manage.py", "loadtest",
+        "--strategies", "lock,segmented,lua,optimistic,unsafe",
+        "--stock", "20", "--users", "12", "--spawn-rate", "60", "--duration", "6",
+        "--server-workers", "4", "--out", str(tmp_path),
+    ]  # fmt: skip
+
+    # When the load run floods them one after another
+    result = subprocess.run(
+        command, cwd=ROOT, env=server_env(), capture_output=True, text=True, timeout=300
+    )
+
+    # Then it succeeds and prints the comparison
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "strategy" in result.stdout and "x HTTP" in result.stdout
+    # and a sale run was recorded for the baseline and each strategy, in one batch
+    runs = {run.strategy: run for run in SaleRun.objects.all()}
+    assert set(runs) == {"baseline", "lock", "segmented", "lua", "optimistic", "unsafe"}
+    assert len({run.batch for run in runs.values()}) == 1
+    assert all(run.status == SaleRun.Status.DONE for run in runs.values())
+    for name in ("lock", "segmented", "lua", "optimistic"):
+        run = runs[name]
+        assert run.oversold == 0 and run.accepted_units == 20 and run.remaining == 0, name
+        assert run.audit["consistent"], run.audit
+        assert run.requests > 0 and run.p99_ms is not None and run.history
+        assert run.baseline_requests_per_second == runs["baseline"].requests_per_second
+        assert run.history[-1]["units_sold"] == 20, run.history[-1]
+    assert runs["unsafe"].oversold > 0, runs["unsafe"].audit
+    assert runs["lock"].lock_wait_p99_ms is not None
+    # and the report files exist and parse
+    records = json.loads((tmp_path / "runs.json").read_text())["runs"]
+    assert {record["strategy"] for record in records} == set(runs)
+    with open(tmp_path / "runs.csv", newline="") as handle:
+        assert len(list(csv.DictReader(handle))) == 6
+    page = (tmp_path / "report.html").read_text()
+    assert page.count("<svg") == 4 and "Units sold over time" in page
+
+
+def _locust(url: str, sku: str, *extra: str) -> subprocess.CompletedProcess:
+    command = [
+        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
+        "--host", url, "--sku", sku, "-u", "12", "-r", "12", "-t", "4s",
+        "--warmup-share", "0", "--only-summary", *extra,
+    ]  # fmt: skip
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_the_locust_audit_fails_a_run_that_oversold(shop_server):
+    # Given the unsafe baseline, which oversells under a crowd
+    sku = f"unsafe-{uuid.uuid4().hex[:6]}"
+    start_sale(sku=sku, stock=20, strategy="unsafe")
+
+    # When Locust floods it without being told oversell is expected
+    result = _locust(shop_server.url, sku)
+
+    # Then its audit turns the oversell into a non-zero exit code
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "oversold" in result.stderr and "FAILED" in result.stderr
+
+
+def test_the_locust_audit_passes_a_safe_run(shop_server):
+    sku = f"lua-{uuid.uuid4().hex[:6]}"
+    start_sale(sku=sku, stock=20, strategy="lua")
+
+    result = _locust(shop_server.url, sku)
+
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert '"oversold": 0' in result.stderr
