@@ -12,4 +12,6 @@ urlpatterns = [
     path("api/", include("inventory.urls")),
     path("healthz", api.healthz, name="healthz"),
     path("admin/", admin.site.urls),
+    # Browsers ask for /favicon.ico on pages that name no icon (the admin's).
+    path("favicon.ico", views.favicon),
 ]

@@ -1,4 +1,8 @@
-"""Storefront pages: the item list, an item page with a buy form, and an order page."""
+"""Storefront pages: the item list, an item page with a buy form, and an order page.
+
+The pages render what is true at request time; shop/static/shop/shop.js keeps them current by
+polling the JSON API (stock, sale opening, order status) and /healthz (the Redis fallback).
+"""
 
 from __future__ import annotations
 
@@ -7,42 +11,70 @@ import uuid
 from django.conf import settings
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
+from django.templatetags.static import static
+from django.utils import timezone
+from django.views.decorators.cache import never_cache
+from django.views.decorators.http import require_GET, require_http_methods
 
 from inventory import selectors, services
-from inventory.exceptions import CheckoutError, InvalidRequest
-from inventory.models import Item, Order
+from inventory.exceptions import Busy, CheckoutError, InvalidRequest, LimitReached
+from inventory.models import LIVE_STATUSES, BuyerAllowance, Item, Order, OrderStatus
+
+#: Statuses after which an order page stops polling.
+FINAL_STATUSES = (OrderStatus.CONFIRMED, OrderStatus.FAILED, OrderStatus.EXPIRED)
 
 
+@require_GET
 def item_list(request: HttpRequest) -> HttpResponse:
     items = Item.objects.select_related("current_sale").filter(current_sale__isnull=False)
-    return render(request, "shop/item_list.html", {"items": items})
+    return render(request, "shop/item_list.html", {"items": items, "now": timezone.now()})
 
 
 def _buyer_name(request: HttpRequest) -> str:
     return request.session.get("buyer", "")
 
 
+def _units_held(item: Item, buyer: str) -> int:
+    """Units buyer holds of item, as counted against its per-buyer limit (0 without a limit)."""
+    if not buyer or item.per_buyer_limit is None:
+        return 0
+    allowance = BuyerAllowance.objects.filter(item=item, buyer=buyer).first()
+    return allowance.units if allowance else 0
+
+
+def _parse_order_form(request: HttpRequest) -> tuple[str, int]:
+    """The buyer's name and quantity from the buy form; InvalidRequest says what is wrong."""
+    buyer = request.POST.get("buyer", "").strip()
+    if not buyer or len(buyer) > 64 or not buyer.isprintable():
+        raise InvalidRequest("enter your name (at most 64 characters)")
+    try:
+        qty = int(request.POST.get("qty", ""))
+    except ValueError:
+        qty = 0
+    if not 1 <= qty <= settings.FLASHSALE_MAX_QTY:
+        raise InvalidRequest(f"choose a quantity from 1 to {settings.FLASHSALE_MAX_QTY}")
+    return buyer, qty
+
+
+@never_cache  # a page from the back button would resubmit an old idempotency key
+@require_http_methods(["GET", "POST"])
 def item_page(request: HttpRequest, sku: str) -> HttpResponse:
     try:
         item = selectors.get_item(sku)
     except CheckoutError:
         raise Http404(f"no item {sku}") from None
-    error = None
+    error: CheckoutError | None = None
+    buyer = _buyer_name(request)
+    qty = 1
     if request.method == "POST":
-        buyer = request.POST.get("buyer", "").strip()
+        buyer = request.POST.get("buyer", "").strip()[:64] or buyer
         try:
-            qty = int(request.POST.get("qty", ""))
-        except ValueError:
-            qty = 0
-        try:
-            if not buyer or len(buyer) > 64:
-                raise InvalidRequest("enter your name (at most 64 characters)")
-            if not 1 <= qty <= settings.FLASHSALE_MAX_QTY:
-                raise InvalidRequest(f"choose a quantity from 1 to {settings.FLASHSALE_MAX_QTY}")
+            buyer, qty = _parse_order_form(request)
             result = services.place_order(
                 sku=item.sku,
                 qty=qty,
                 buyer=buyer,
+                # One key per rendered form: a double submit gets the first order back.
                 idempotency_key=request.POST.get("idempotency_key") or None,
             )
         except CheckoutError as exc:
@@ -50,19 +82,57 @@ def item_page(request: HttpRequest, sku: str) -> HttpResponse:
         else:
             request.session["buyer"] = buyer
             return redirect("order", order_id=result.order.pk)
+        if buyer and len(buyer) <= 64 and buyer.isprintable():
+            request.session["buyer"] = buyer
+        item.refresh_from_db(fields=["stock"])
+    limit = item.per_buyer_limit
+    held = _units_held(item, buyer)
+    limit_left = None if limit is None else max(0, limit - held)
+    max_qty = settings.FLASHSALE_MAX_QTY if limit_left is None else max(1, limit_left)
+    sale = item.current_sale
     context = {
         "item": item,
+        "sale": sale,
         "error": error,
-        "buyer": _buyer_name(request),
+        "error_code": error.code if error else "",
+        "buyer": buyer,
+        "qty": min(max(qty, 1), max_qty),
+        "held": held,
+        "limit_left": limit_left,
+        "limit_reached": isinstance(error, LimitReached) or limit_left == 0,
+        "not_started": sale is not None and sale.opens_at > timezone.now(),
+        "now": timezone.now(),
         "idempotency_key": uuid.uuid4().hex,
-        "max_qty": min(settings.FLASHSALE_MAX_QTY, item.per_buyer_limit or 10**9),
+        "max_qty": max_qty,
     }
-    return render(request, "shop/item_page.html", context, status=409 if error else 200)
+    status = 200
+    headers = {}
+    if isinstance(error, Busy):
+        status = 503
+        headers["Retry-After"] = str(error.retry_after)
+    elif error is not None:
+        status = 409
+    response = render(request, "shop/item_page.html", context, status=status)
+    for name, value in headers.items():
+        response[name] = value
+    return response
 
 
+@require_GET
 def order_page(request: HttpRequest, order_id: int) -> HttpResponse:
     try:
         order = selectors.get_order(order_id)
     except Order.DoesNotExist:
         raise Http404(f"no order {order_id}") from None
-    return render(request, "shop/order_page.html", {"order": order})
+    context = {
+        "order": order,
+        "final": order.status in FINAL_STATUSES,
+        "live": order.status in LIVE_STATUSES,
+    }
+    return render(request, "shop/order_page.html", context)
+
+
+@require_GET
+def favicon(request: HttpRequest) -> HttpResponse:
+    """/favicon.ico, which browsers ask for on pages that name no icon (the admin's)."""
+    return redirect(static("shop/favicon.svg"), permanent=True)
