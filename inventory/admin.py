@@ -1,33 +1,172 @@
+"""The admin: items, their sales and orders, and recorded load runs. Staff only.
+
+Stock, strategy and per-buyer limit are shown, not edited: they belong to a sale, whose Redis
+counters, shards and buyer allowances `manage.py sale start` keeps consistent; an edit here would
+bypass all three. Orders move only through their lifecycle (workers, sweeper), and sales and
+load runs are records, so those are read-only too.
+"""
+
+from __future__ import annotations
+
 from django.contrib import admin
+from django.http import HttpRequest
 
-from .models import Item, Order, Sale, StockShard
+from .models import Item, Order, Sale, SaleRun, StockShard
 
 
-class StockShardInline(admin.TabularInline):
+def strategy_column(field: str, description: str | None = None):
+    """A list column with a strategy's name as the CLI and API spell it (not its long label)."""
+
+    @admin.display(description=description or field, ordering=field)
+    def column(self, obj) -> str:
+        return getattr(obj, field)
+
+    return column
+
+
+class ReadOnlyAdminMixin:
+    """View-only: nothing is added, changed or deleted through the admin."""
+
+    def has_add_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+
+class StockShardInline(ReadOnlyAdminMixin, admin.TabularInline):
     model = StockShard
     extra = 0
-    readonly_fields = ["index", "stock", "version"]
+    fields = ["index", "stock", "version"]
+    readonly_fields = fields
     can_delete = False
 
 
 @admin.register(Item)
 class ItemAdmin(admin.ModelAdmin):
-    list_display = ["sku", "name", "price", "stock", "strategy", "per_buyer_limit"]
+    list_display = [
+        "sku",
+        "name",
+        "price",
+        "stock",
+        "strategy_name",
+        "per_buyer_limit",
+        "shard_count",
+        "opens_at",
+    ]
     list_filter = ["strategy"]
     search_fields = ["sku", "name"]
-    readonly_fields = ["version", "shard_count", "current_sale"]
+    list_select_related = ["current_sale"]
+    fields = [
+        "sku",
+        "name",
+        "price",
+        "strategy",
+        "stock",
+        "per_buyer_limit",
+        "shard_count",
+        "version",
+        "current_sale",
+        "created_at",
+    ]
+    readonly_fields = [
+        "strategy",
+        "stock",
+        "per_buyer_limit",
+        "shard_count",
+        "version",
+        "current_sale",
+        "created_at",
+    ]
     inlines = [StockShardInline]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Item | None = None) -> list[str]:
+        # The sku names the item in Redis keys, the API and orders: fixed once created.
+        return [*self.readonly_fields, "sku"] if obj else list(self.readonly_fields)
+
+    strategy_name = strategy_column("strategy")
+
+    @admin.display(description="opens at", ordering="current_sale__opens_at")
+    def opens_at(self, item: Item):
+        return item.current_sale.opens_at if item.current_sale else None
 
 
 @admin.register(Sale)
-class SaleAdmin(admin.ModelAdmin):
-    list_display = ["item", "initial_stock", "strategy", "per_buyer_limit", "started_at"]
+class SaleAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
+    list_display = [
+        "pk",
+        "item",
+        "initial_stock",
+        "strategy_name",
+        "per_buyer_limit",
+        "started_at",
+        "opens_at",
+    ]
     list_filter = ["strategy"]
+    search_fields = ["item__sku"]
+    list_select_related = ["item"]
+    date_hierarchy = "started_at"
+    strategy_name = strategy_column("strategy")
 
 
 @admin.register(Order)
-class OrderAdmin(admin.ModelAdmin):
-    list_display = ["pk", "item", "buyer", "qty", "status", "served_by", "fallback", "created_at"]
+class OrderAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
+    list_display = [
+        "pk",
+        "item",
+        "buyer",
+        "qty",
+        "status",
+        "served_by_name",
+        "fallback",
+        "created_at",
+        "updated_at",
+    ]
     list_filter = ["status", "served_by", "fallback"]
     search_fields = ["buyer", "idempotency_key", "item__sku"]
     list_select_related = ["item"]
+    date_hierarchy = "created_at"
+    show_full_result_count = False  # a flood leaves many rows; skip the extra COUNT(*)
+    served_by_name = strategy_column("served_by", "served by")
+
+
+@admin.register(SaleRun)
+class SaleRunAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
+    list_display = [
+        "pk",
+        "strategy",
+        "batch",
+        "status",
+        "requests_per_second_display",
+        "goodput_display",
+        "p99_display",
+        "oversold",
+        "remaining",
+        "started_at",
+    ]
+    list_filter = ["status", "strategy", "batch"]
+    search_fields = ["batch", "sku", "strategy"]
+    date_hierarchy = "started_at"
+
+    def has_delete_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        # Old runs may be cleared away; what a run recorded is never edited.
+        return admin.ModelAdmin.has_delete_permission(self, request, obj)
+
+    @admin.display(description="requests/s", ordering="requests_per_second")
+    def requests_per_second_display(self, run: SaleRun) -> str | None:
+        return _rounded(run.requests_per_second, 1)
+
+    @admin.display(description="goodput (units/s)", ordering="goodput")
+    def goodput_display(self, run: SaleRun) -> str | None:
+        return _rounded(run.goodput, 1)
+
+    @admin.display(description="p99 (ms)", ordering="p99_ms")
+    def p99_display(self, run: SaleRun) -> str | None:
+        return _rounded(run.p99_ms, 1)
+
+
+def _rounded(value: float | None, digits: int) -> str | None:
+    return None if value is None else f"{value:.{digits}f}"
