@@ -180,7 +180,11 @@ def _run_one(
         _read_stats(run, prefix, config.qty)
     except (OSError, KeyError, ValueError) as exc:
         run.status = SaleRun.Status.FAILED
-        run.error = f"Locust exited with {exit_code} and left no readable stats: {exc}"
+        log_tail = Path(f"{prefix}.log").read_text(errors="replace").strip().splitlines()[-3:]
+        run.error = (
+            f"Locust exited with {exit_code} and left no readable stats ({exc}); "
+            f"its log ends: {' | '.join(log_tail)}"
+        )
         run.finished_at = timezone.now()
         run.save()
         progress(f"  {strategy}: FAILED ({run.error})")
