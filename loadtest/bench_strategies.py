@@ -1,0 +1,1028 @@
+"""Benchmark without HTTP: every strategy driven directly by buyer processes on one hot item.
+
+    python -m loadtest.bench_strategies [--buyers 8] [--stock 2000] [--duration 10]
+        [--strategies lock,segmented,lua,optimistic,unsafe] [--hold-ms 0] [--rounds 1]
+        [--peers redis-py,redis-py-5ms,python-redis-lock,python-redis-lock-renewal]
+        [--ceiling-stock 50000] [--profile] [--json PATH]
+
+Needs DATABASE_URL and REDIS_URL (or run it through `python -m shop.devservices --`).
+
+For each contender a sale of --stock units starts, --buyers processes fork, wait at a barrier,
+and buy one unit at a time through `inventory.services.place_order` until it answers sold out
+(`Busy` is counted and retried). buys/s is units sold over the time from the barrier to the last
+sale. Contenders, all in one run so that every figure has its baseline measured beside it:
+
+- the strategies themselves;
+- peers: redis-py's `redis.lock.Lock` and python-redis-lock's `redis_lock.Lock` running the very
+  code of the `lock` strategy (`LockStrategy.take`: its pre-check, its transaction with the
+  version-checked UPDATE and the order INSERT, its release), with only the lock object swapped:
+  the buyer processes replace `inventory.strategies.lock.new_lock`, so nothing but the lock
+  differs. Same TTL and wait as ours (FLASHSALE_LOCK_TTL_MS / FLASHSALE_LOCK_WAIT_MS);
+  redis-py with its default poll `sleep` of 0.1 s and with 0.005 s; python-redis-lock without
+  and with `auto_renewal` (the counterpart of our watchdog, which `lock` runs with);
+- ceilings: `EVALSHA` of the check-and-DECRBY script of `locking.StockCounter.take` in a loop
+  (Redis alone, no database: what `lua` would reach if Redis were its only cost), and the hot
+  row: one guarded UPDATE of the item row plus one order INSERT per transaction, through the
+  same `inventory.stock` helper and ORM insert as the strategies, no Redis and no lock (the
+  most that any design writing the item row per sale can reach).
+
+After each contender the sale is audited (`inventory.selectors.audit_sale`). The run exits 1 if
+any contender that should be safe (all but `unsafe`) oversold, is inconsistent or crashed, and 0
+otherwise: the targets are measurements, printed as met or missed.
+
+Beside buys/s each row shows where the CPU went, per unit sold: the buyer processes (Python,
+Django, redis-py, psycopg), their PostgreSQL backends (read from /proc when PostgreSQL runs on
+this machine) and the Redis server (INFO cpu, the whole server), plus how busy the host's CPUs
+were while the contender ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing
+import os
+import queue
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import django
+
+STRATEGIES = ["lock", "segmented", "lua", "optimistic", "unsafe"]
+SAFE_EXCEPTIONS = {"unsafe"}
+EVALSHA = "raw EVALSHA"
+HOT_ROW = "hot row (SQL)"
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Another project's Redis lock, run inside the `lock` strategy's code."""
+
+    name: str
+    label: str
+    library: str  # "redis-py" or "python-redis-lock"
+    sleep: float | None = None  # redis-py's poll interval
+    auto_renewal: bool = False  # python-redis-lock's watchdog
+
+
+PEERS = {
+    peer.name: peer
+    for peer in [
+        Peer("redis-py", "redis-py Lock sleep=0.1", "redis-py", sleep=0.1),
+        Peer("redis-py-5ms", "redis-py Lock sleep=0.005", "redis-py", sleep=0.005),
+        Peer("python-redis-lock", "python-redis-lock", "python-redis-lock"),
+        Peer(
+            "python-redis-lock-renewal",
+            "python-redis-lock renewal",
+            "python-redis-lock",
+            auto_renewal=True,
+        ),
+    ]
+}
+
+#: (what, at least, is the ratio of what over which, ...) for the printed targets.
+TARGETS = [
+    ("lock", "the faster peer lock", 1.2),
+    ("segmented", "lock", 3.0),
+    ("lua", "raw EVALSHA", 0.5),
+]
+
+
+@dataclass
+class Contender:
+    name: str  # the row's label
+    kind: str  # "strategy", "peer" or "ceiling"
+    sku: str
+    safe: bool = True
+    peer: Peer | None = None
+
+
+@dataclass
+class BuyerReport:
+    """What one buyer process saw."""
+
+    sold: int = 0
+    busy: int = 0
+    started_at: float = 0.0
+    last_sale_at: float | None = None
+    capped: bool = False
+    error: str | None = None
+    cpu_seconds: float = 0.0
+    backend_cpu_seconds: float | None = None
+    #: With --profile: seconds spent per phase, summed over the process's checkouts.
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Result:
+    contender: str
+    kind: str
+    round: int
+    buyers: int
+    stock: int
+    sold: int
+    busy: int
+    seconds: float
+    buys_per_second: float
+    capped: bool
+    errors: list[str]
+    accepted_units: int
+    oversold: int
+    remaining: int
+    consistent: bool
+    safe: bool
+    client_cpu_ms_per_buy: float | None
+    postgres_cpu_ms_per_buy: float | None
+    redis_cpu_ms_per_buy: float | None
+    host_cpu_busy: float | None
+    audit: dict[str, Any] = field(default_factory=dict)
+    #: With --profile: milliseconds per unit sold spent in each phase, all buyers together.
+    phases_ms_per_buy: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def broken(self) -> bool:
+        """A contender that must not oversell did, or left the database, shards and Redis
+        disagreeing."""
+        return self.safe and (self.oversold > 0 or not self.consistent)
+
+
+# -- command line -------------------------------------------------------------------------
+
+
+def _positive(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return number
+
+
+def _positive_float(value: str) -> float:
+    number = float(value)
+    if number <= 0:
+        raise argparse.ArgumentTypeError("must be positive")
+    return number
+
+
+def _names(value: str) -> list[str]:
+    return [name.strip() for name in value.replace(",", " ").split() if name.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.bench_strategies",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--buyers", type=_positive, default=8, help="buyer processes (8)")
+    parser.add_argument("--stock", type=_positive, default=2000, help="units per sale (2000)")
+    parser.add_argument(
+        "--duration", type=_positive_float, default=10.0, help="cap per contender, seconds (10)"
+    )
+    parser.add_argument(
+        "--strategies",
+        nargs="+",
+        default=STRATEGIES,
+        help="strategies to run, space- or comma-separated (all five)",
+    )
+    parser.add_argument(
+        "--hold-ms",
+        type=int,
+        default=0,
+        help="simulated work inside each critical section, ms (FLASHSALE_HOLD_DELAY_MS; 0)",
+    )
+    parser.add_argument(
+        "--peers",
+        nargs="*",
+        default=list(PEERS),
+        help=f"peer locks to run ({', '.join(PEERS)}); none with an empty list",
+    )
+    parser.add_argument(
+        "--ceiling-stock",
+        type=_positive,
+        default=50000,
+        help="units the raw EVALSHA ceiling sells: more than --stock, so that its far higher "
+        "rate is measured over a long enough time (50000)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=_positive,
+        default=1,
+        help="run every contender this many times, in rotating order; report medians (1)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also time, in the buyer processes, the phases that serialize checkouts (lock "
+        "wait and hold, the item row's UPDATE and hold, commit, publish) and print them",
+    )
+    parser.add_argument("--json", type=Path, help="also write the results to this file")
+    args = parser.parse_args(argv)
+    args.strategies = [name for value in args.strategies for name in _names(value)]
+    args.peers = [name for value in args.peers for name in _names(value)]
+    unknown = sorted(set(args.peers) - set(PEERS))
+    if unknown:
+        parser.error(f"unknown peers: {', '.join(unknown)}; choose from {', '.join(PEERS)}")
+    if args.hold_ms < 0:
+        parser.error("--hold-ms must be 0 or more")
+    return args
+
+
+# -- measurements of the host --------------------------------------------------------------
+
+
+def _host_cpu_times() -> tuple[float, float] | None:
+    """(busy, total) jiffies of all CPUs since boot, from /proc/stat."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(value) for value in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    total = sum(fields[:8])
+    return total - idle, total
+
+
+def _process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU of another process on this host (a PostgreSQL backend), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _redis_cpu_seconds() -> float | None:
+    from inventory.redis_client import get_redis_client
+
+    try:
+        info = get_redis_client().info("cpu")
+    except Exception:
+        return None
+    return float(info.get("used_cpu_user", 0)) + float(info.get("used_cpu_sys", 0))
+
+
+# -- the peer locks, behind the interface the `lock` strategy calls -------------------------
+
+
+def _peer_lock_factory(peer: Peer) -> Callable[[str], Any]:
+    """A replacement for `inventory.strategies.lock.new_lock` that builds the peer's lock.
+
+    The strategy calls `acquire(token=..., **options)`, `release()`, reads `local.token`,
+    `name` and `lost`, and calls `owned()`; TTL and wait come from the same settings as ours.
+    """
+    import redis.lock
+    from django.conf import settings
+    from redis.exceptions import LockNotOwnedError
+
+    from inventory.redis_client import get_redis_client
+
+    ttl = settings.FLASHSALE_LOCK_TTL_MS / 1000
+    wait = settings.FLASHSALE_LOCK_WAIT_MS / 1000
+
+    if peer.library == "redis-py":
+
+        class RedisPyLock(redis.lock.Lock):
+            lost = False  # nothing watches a redis-py lock: no renewal to fail
+
+        def new_redis_py_lock(name: str) -> RedisPyLock:
+            return RedisPyLock(
+                get_redis_client(),
+                name,
+                timeout=ttl,
+                sleep=peer.sleep,
+                blocking=True,
+                blocking_timeout=wait,
+            )
+
+        return new_redis_py_lock
+
+    import redis_lock
+
+    class PythonRedisLock:
+        lost = False  # python-redis-lock's renewal thread reports nothing
+
+        def __init__(self, name: str) -> None:
+            self.name = name
+            self.local = SimpleNamespace(token=None)
+            # Its expiry and wait are whole seconds; ours are 5 s by default.
+            self._lock = redis_lock.Lock(
+                get_redis_client(),
+                name,
+                expire=max(1, round(ttl)),
+                auto_renewal=peer.auto_renewal,
+            )
+
+        def acquire(
+            self,
+            token: bytes | None = None,
+            blocking: bool = True,
+            blocking_timeout: float | None = None,
+        ) -> bool:
+            timeout = wait if blocking_timeout is None else blocking_timeout
+            acquired = self._lock.acquire(
+                blocking=blocking, timeout=max(1, round(timeout)) if blocking else None
+            )
+            if acquired:
+                self.local.token = self._lock.id
+            return acquired
+
+        def release(self) -> None:
+            self.local.token = None
+            try:
+                self._lock.release()
+            except redis_lock.NotAcquired as exc:
+                raise LockNotOwnedError(str(exc), lock_name=self.name) from None
+
+        def owned(self) -> bool:
+            return self._lock.get_owner_id() == self._lock.id
+
+    return PythonRedisLock
+
+
+# -- where the time goes (--profile) ----------------------------------------------------------
+
+
+class _Probe:
+    """Times, inside one buyer process, the phases that can serialize checkouts.
+
+    - lock wait / lock held: from asking for the Redis lock (item lock, shard lock, or a peer's
+      lock: whatever `inventory.strategies.lock.acquire_lock` is handed) to getting it, and
+      from getting it to its release;
+    - update item: the UPDATE of the item row, which waits for the row lock while another
+      transaction holds it;
+    - row held: from the end of that UPDATE (the row lock is ours) to the end of the commit or
+      rollback, when PostgreSQL lets the next writer of the row in;
+    - commit: the COMMIT itself (WAL flush);
+    - publish: the order task sent to the broker after commit.
+
+    Wrappers only: the strategies' code runs unchanged.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._row_since: float | None = None
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+    def install(self) -> None:
+        from django.db import connection
+
+        import inventory.services as services
+        import inventory.strategies.lock as lock_strategy
+        import inventory.strategies.segmented as segmented_strategy
+
+        connection.ensure_connection()
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(connection.execute_wrapper(self._execute))
+        connection.commit = self._timed_end(connection.commit, "commit")
+        connection.rollback = self._timed_end(connection.rollback, "rollback")
+        services.enqueue_order = self._timed(services.enqueue_order, "publish")
+        acquire = self._timed_acquire(lock_strategy.acquire_lock)
+        release = self._timed_release(lock_strategy.release_quietly)
+        for module in (lock_strategy, segmented_strategy):
+            module.acquire_lock = acquire
+            module.release_quietly = release
+
+    def _execute(self, execute: Callable[..., Any], sql: str, *args: Any) -> Any:
+        """Django's execute_wrapper hook: args are params, many, context."""
+        started = time.perf_counter()
+        try:
+            return execute(sql, *args)
+        finally:
+            if sql.lstrip().upper().startswith(_ITEM_UPDATE):
+                ended = time.perf_counter()
+                self.add("update item", ended - started)
+                if self._row_since is None:
+                    self._row_since = ended
+
+    def _timed_end(self, function: Callable[[], None], phase: str) -> Callable[[], None]:
+        def timed() -> None:
+            started = time.perf_counter()
+            try:
+                function()
+            finally:
+                ended = time.perf_counter()
+                self.add(phase, ended - started)
+                if self._row_since is not None:
+                    self.add("row held", ended - self._row_since)
+                    self._row_since = None
+
+        return timed
+
+    def _timed(self, function: Callable[..., Any], phase: str) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.add(phase, time.perf_counter() - started)
+
+        return timed
+
+    def _timed_acquire(self, acquire: Callable[..., bool]) -> Callable[..., bool]:
+        def timed(lock: Any, **options: Any) -> bool:
+            started = time.perf_counter()
+            acquired = False
+            try:
+                acquired = acquire(lock, **options)
+                return acquired
+            finally:
+                ended = time.perf_counter()
+                self.add("lock wait", ended - started)
+                if acquired:
+                    lock.bench_acquired_at = ended
+
+        return timed
+
+    def _timed_release(self, release: Callable[[Any], None]) -> Callable[[Any], None]:
+        def timed(lock: Any) -> None:
+            try:
+                release(lock)
+            finally:
+                acquired_at = getattr(lock, "bench_acquired_at", None)
+                if acquired_at is not None:
+                    self.add("lock held", time.perf_counter() - acquired_at)
+
+        return timed
+
+
+_ITEM_UPDATE = 'UPDATE "INVENTORY_ITEM"'
+
+#: The --profile columns: (phase, heading).
+PROFILE_PHASES = [
+    ("lock wait", "lock wait"),
+    ("lock held", "lock held"),
+    ("update item", "upd item"),
+    ("row held", "row held"),
+    ("commit", "commit"),
+    ("publish", "publish"),
+]
+
+
+# -- buyer processes ------------------------------------------------------------------------
+
+
+def _backend_pid() -> int | None:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        return cursor.fetchone()[0]
+
+
+def _buy_through_place_order(sku: str, label: str, worker: int) -> Callable[[], bool]:
+    """One checkout of one unit through the service; True when sold, False when sold out."""
+    from inventory.exceptions import SoldOut
+    from inventory.services import place_order
+
+    serial = iter(range(10**9))
+
+    def buy() -> bool:
+        try:
+            place_order(sku=sku, qty=1, buyer=f"{label}-{worker}-{next(serial)}")
+        except SoldOut:
+            return False
+        return True
+
+    return buy
+
+
+def _buy_from_hot_row(sku: str, label: str, worker: int) -> Callable[[], bool]:
+    """The hot-row ceiling: guarded UPDATE of the item row and the order INSERT, committed."""
+    from django.db import transaction
+
+    from inventory.models import Item, Order
+    from inventory.stock import simulate_work, take_item_units
+
+    item = Item.objects.get(sku=sku)
+    serial = iter(range(10**9))
+
+    def buy() -> bool:
+        with transaction.atomic():
+            simulate_work()
+            if not take_item_units(item.pk, 1):
+                return False
+            Order.objects.create(
+                item_id=item.pk,
+                sale_id=item.current_sale_id,
+                buyer=f"{label}-{worker}-{next(serial)}",
+                qty=1,
+                served_by="optimistic",
+            )
+        return True
+
+    return buy
+
+
+def _buy_by_evalsha(key: str) -> Callable[[], bool]:
+    """The Redis ceiling: the check-and-DECRBY script of StockCounter.take, nothing else."""
+    from inventory.redis_client import get_redis_client
+    from locking import scripts
+
+    client = get_redis_client()
+    sha = client.script_load(scripts.STOCK_TAKE)
+
+    def buy() -> bool:
+        left = int(client.evalsha(sha, 1, key, 1))
+        if left == -2:
+            raise RuntimeError(f"counter {key} is missing")
+        return left >= 0
+
+    return buy
+
+
+def _buyer(
+    contender: Contender,
+    worker: int,
+    duration: float,
+    profile: bool,
+    barrier: Any,
+    reports: Any,
+) -> None:
+    """Body of one buyer process: connect, wait for the others, buy until sold out or capped."""
+    from inventory.exceptions import Busy
+
+    report = BuyerReport()
+    backend_pid = None
+    probe = _Probe() if profile else None
+    try:
+        from inventory.redis_client import get_redis_client
+
+        get_redis_client().ping()
+        if contender.kind == "peer":
+            import inventory.strategies.lock as lock_strategy
+
+            lock_strategy.new_lock = _peer_lock_factory(contender.peer)
+        if contender.name == EVALSHA:
+            buy = _buy_by_evalsha(contender.sku)
+        else:
+            backend_pid = _backend_pid()
+            if contender.name == HOT_ROW:
+                buy = _buy_from_hot_row(contender.sku, contender.sku, worker)
+            else:
+                buy = _buy_through_place_order(contender.sku, contender.sku, worker)
+            if probe is not None:
+                probe.install()
+    except BaseException:
+        barrier.abort()
+        report.error = traceback.format_exc(limit=4)
+        reports.put((worker, asdict(report)))
+        return
+
+    backend_cpu = _process_cpu_seconds(backend_pid) if backend_pid else None
+    cpu = time.process_time()
+    try:
+        barrier.wait(120)
+        report.started_at = time.monotonic()
+        deadline = report.started_at + duration
+        while True:
+            if time.monotonic() >= deadline:
+                report.capped = True
+                break
+            try:
+                if not buy():
+                    break
+            except Busy:
+                report.busy += 1
+                continue
+            report.sold += 1
+            report.last_sale_at = time.monotonic()
+    except BaseException:
+        report.error = traceback.format_exc(limit=6)
+    report.cpu_seconds = time.process_time() - cpu
+    if probe is not None:
+        report.timings = probe.seconds
+    if backend_cpu is not None:
+        after = _process_cpu_seconds(backend_pid)
+        report.backend_cpu_seconds = None if after is None else after - backend_cpu
+    reports.put((worker, asdict(report)))
+
+
+# -- one contender ---------------------------------------------------------------------------
+
+
+def _prepare(contender: Contender, stock: int, ceiling_stock: int) -> None:
+    from inventory.redis_client import get_redis_client
+    from inventory.services import start_sale
+
+    if contender.name == EVALSHA:
+        get_redis_client().set(contender.sku, ceiling_stock)
+    elif contender.name == HOT_ROW:
+        start_sale(sku=contender.sku, stock=stock, strategy="optimistic", name="Bench hot row")
+    else:
+        strategy = contender.name if contender.kind == "strategy" else "lock"
+        start_sale(sku=contender.sku, stock=stock, strategy=strategy, name=f"Bench {strategy}")
+
+
+def _audit(contender: Contender, stock: int, sold: int) -> dict[str, Any]:
+    if contender.name == EVALSHA:
+        from inventory.redis_client import get_redis_client
+
+        client = get_redis_client()
+        left = client.get(contender.sku)
+        client.delete(contender.sku)
+        left = None if left is None else int(left)
+        return {
+            "initial_stock": stock,
+            "accepted_units": sold,
+            "oversold": max(0, sold - stock),
+            "remaining": left,
+            "consistent": left is not None and left == stock - sold and left >= 0,
+        }
+    from inventory.selectors import audit_sale
+
+    return audit_sale(contender.sku)
+
+
+def run_contender(contender: Contender, args: argparse.Namespace, round_: int) -> Result:
+    from django.db import connections
+
+    stock = args.ceiling_stock if contender.name == EVALSHA else args.stock
+    _prepare(contender, args.stock, args.ceiling_stock)
+    # Children open their own connections: a connection shared across fork is corrupted.
+    connections.close_all()
+
+    context = multiprocessing.get_context("fork")
+    barrier = context.Barrier(args.buyers + 1)
+    reports = context.Queue()
+    processes = [
+        context.Process(
+            target=_buyer,
+            args=(contender, worker, args.duration, args.profile, barrier, reports),
+            name=f"buyer-{contender.sku}-{worker}",
+        )
+        for worker in range(args.buyers)
+    ]
+    for process in processes:
+        process.start()
+
+    gathered: dict[int, dict[str, Any]] = {}
+    host_before = redis_before = None
+    started_at = time.monotonic()
+    try:
+        barrier.wait(120)
+        started_at = time.monotonic()
+        host_before = _host_cpu_times()
+        redis_before = _redis_cpu_seconds()
+    except multiprocessing.BrokenBarrierError:
+        pass  # a buyer failed to start: its report says why
+    wait_limit = args.duration + 2 * _lock_wait_seconds() + 60
+    try:
+        while len(gathered) < args.buyers:
+            worker, report = reports.get(
+                timeout=max(1.0, started_at + wait_limit - time.monotonic())
+            )
+            gathered[worker] = report
+    except queue.Empty:
+        pass  # the missing buyers are reported below
+    host_after = _host_cpu_times()
+    redis_after = _redis_cpu_seconds()
+    for process in processes:
+        process.join(5)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+    buyers = [BuyerReport(**gathered[worker]) for worker in sorted(gathered)]
+    errors = [report.error for report in buyers if report.error]
+    missing = args.buyers - len(buyers)
+    if missing:
+        errors.append(f"{missing} buyer process(es) reported nothing")
+    sold = sum(report.sold for report in buyers)
+    start = min([started_at, *(report.started_at for report in buyers if report.started_at)])
+    ends = [report.last_sale_at for report in buyers if report.last_sale_at]
+    seconds = (max(ends) - start) if ends else 0.0
+    audit = _audit(contender, stock, sold)
+
+    def per_buy(total: float | None) -> float | None:
+        return None if total is None or not sold else 1000 * total / sold
+
+    backend = [report.backend_cpu_seconds for report in buyers]
+    host_busy = None
+    if host_before and host_after and host_after[1] > host_before[1]:
+        host_busy = (host_after[0] - host_before[0]) / (host_after[1] - host_before[1])
+    redis_cpu = None
+    if redis_before is not None and redis_after is not None:
+        redis_cpu = redis_after - redis_before
+    phases: dict[str, float] = {}
+    for report in buyers:
+        for phase, phase_seconds in report.timings.items():
+            phases[phase] = phases.get(phase, 0.0) + phase_seconds
+    return Result(
+        contender=contender.name,
+        kind=contender.kind,
+        round=round_,
+        buyers=args.buyers,
+        stock=stock,
+        sold=sold,
+        busy=sum(report.busy for report in buyers),
+        seconds=seconds,
+        buys_per_second=sold / seconds if seconds > 0 else 0.0,
+        capped=any(report.capped for report in buyers),
+        errors=errors,
+        accepted_units=audit["accepted_units"],
+        oversold=audit["oversold"],
+        remaining=audit["remaining"],
+        consistent=bool(audit["consistent"]),
+        safe=contender.safe,
+        client_cpu_ms_per_buy=per_buy(sum(report.cpu_seconds for report in buyers)),
+        postgres_cpu_ms_per_buy=None
+        if contender.name == EVALSHA or None in backend or not backend
+        else per_buy(sum(backend)),
+        redis_cpu_ms_per_buy=per_buy(redis_cpu),
+        host_cpu_busy=host_busy,
+        audit={key: value for key, value in audit.items() if key != "orders_by_status"},
+        phases_ms_per_buy={phase: 1000 * total / sold for phase, total in phases.items()}
+        if sold
+        else {},
+    )
+
+
+def _lock_wait_seconds() -> float:
+    from django.conf import settings
+
+    return settings.FLASHSALE_LOCK_WAIT_MS / 1000
+
+
+# -- the whole run ---------------------------------------------------------------------------
+
+
+def contenders_for(args: argparse.Namespace) -> list[Contender]:
+    contenders = [
+        Contender(name, "strategy", f"bench-{name}", safe=name not in SAFE_EXCEPTIONS)
+        for name in args.strategies
+    ]
+    contenders += [
+        Contender(PEERS[name].label, "peer", f"bench-peer-{name}", peer=PEERS[name])
+        for name in args.peers
+    ]
+    contenders.append(Contender(EVALSHA, "ceiling", ""))
+    contenders.append(Contender(HOT_ROW, "ceiling", "bench-ceiling-hot-row"))
+    return contenders
+
+
+def _median_row(results: list[Result]) -> Result:
+    """The round with the median rate (the lower one of the two middle rounds)."""
+    ranked = sorted(results, key=lambda result: result.buys_per_second)
+    return ranked[(len(ranked) - 1) // 2]
+
+
+def ratios(rows: dict[str, Result]) -> list[dict[str, Any]]:
+    peers = [row for row in rows.values() if row.kind == "peer"]
+    fastest_peer = max(peers, key=lambda row: row.buys_per_second, default=None)
+    baselines = {
+        "the faster peer lock": fastest_peer,
+        "lock": rows.get("lock"),
+        "raw EVALSHA": rows.get(EVALSHA),
+    }
+    checks = []
+    for name, baseline_name, target in TARGETS:
+        row, baseline = rows.get(name), baselines[baseline_name]
+        if row is None or baseline is None or not baseline.buys_per_second:
+            checks.append({"what": name, "versus": baseline_name, "target": target})
+            continue
+        ratio = row.buys_per_second / baseline.buys_per_second
+        checks.append(
+            {
+                "what": name,
+                "versus": baseline.contender
+                if baseline_name == "the faster peer lock"
+                else baseline_name,
+                "ratio": ratio,
+                "target": target,
+                "met": ratio >= target,
+            }
+        )
+    return checks
+
+
+def _format(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(rows: list[Result], rounds: int) -> None:
+    label = "median of " + str(rounds) + " rounds" if rounds > 1 else "one round"
+    print(f"\nresults ({label}; cpu in ms per unit sold):")
+    header = (
+        f"{'contender':<27} {'buys/s':>7} {'sold':>6} {'busy':>5} {'oversold':>8} "
+        f"{'remaining':>9} {'consistent':>10} {'cpu py':>7} {'cpu pg':>7} {'cpu redis':>9} "
+        f"{'host cpu':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        note = " (capped)" if row.capped else ""
+        note += " ERRORS" if row.errors else ""
+        print(
+            f"{row.contender:<27} {row.buys_per_second:>7.0f} {row.sold:>6} {row.busy:>5} "
+            f"{row.oversold:>8} {_format(row.remaining, 'd'):>9} "
+            f"{'yes' if row.consistent else 'NO':>10} "
+            f"{_format(row.client_cpu_ms_per_buy, '.2f'):>7} "
+            f"{_format(row.postgres_cpu_ms_per_buy, '.2f'):>7} "
+            f"{_format(row.redis_cpu_ms_per_buy, '.3f'):>9} "
+            f"{_format(None if row.host_cpu_busy is None else 100 * row.host_cpu_busy, '.0f'):>7}%"
+            f"{note}"
+        )
+
+
+def print_profile(rows: list[Result]) -> None:
+    """Where the time goes, per unit sold, in milliseconds of buyer time (all buyers together:
+    a phase that serializes checkouts cannot take more than 1000 / buys/s of it)."""
+    print(
+        "\nwhere the time goes (--profile), ms per unit sold summed over the buyers; "
+        "'serial' = 1000 / buys/s, the time one unit takes when units are sold one at a time:"
+    )
+    header = f"{'contender':<27} {'serial':>7} {'checkout':>8}" + "".join(
+        f" {heading:>9}" for _, heading in PROFILE_PHASES
+    )
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        if not row.phases_ms_per_buy:
+            continue
+        serial = 1000 / row.buys_per_second if row.buys_per_second else None
+        checkout = 1000 * row.buyers * row.seconds / row.sold if row.sold else None
+        cells = "".join(
+            f" {_format(row.phases_ms_per_buy.get(phase), '.2f'):>9}" for phase, _ in PROFILE_PHASES
+        )
+        print(
+            f"{row.contender:<27} {_format(serial, '.2f'):>7} {_format(checkout, '.2f'):>8}{cells}"
+        )
+    print(
+        "checkout: buyer time per unit sold (buyers x seconds / units). A phase close to 'serial' "
+        "is where checkouts queue: the lock held, or the item row held from its UPDATE to the "
+        "end of the commit."
+    )
+
+
+def print_ratios(checks: list[dict[str, Any]]) -> None:
+    print("\ntargets:")
+    for check in checks:
+        if "ratio" not in check:
+            print(f"  {check['what']} vs {check['versus']}: not measured in this run")
+            continue
+        verdict = "met" if check["met"] else "MISSED"
+        print(
+            f"  {check['what']:<10} vs {check['versus']:<27} {check['ratio']:>6.2f}x  "
+            f"(target >= {check['target']:.1f}x): {verdict}"
+        )
+
+
+def _check_database() -> str | None:
+    """Apply missing migrations; a message when the database cannot be used."""
+    from django.core.management import call_command
+    from django.db import DEFAULT_DB_ALIAS, OperationalError, connections
+    from django.db.migrations.executor import MigrationExecutor
+
+    try:
+        connection = connections[DEFAULT_DB_ALIAS]
+        executor = MigrationExecutor(connection)
+        plan = executor.migration_plan(executor.loader.graph.leaf_nodes())
+    except OperationalError as exc:
+        return f"cannot reach the database named by DATABASE_URL: {exc}"
+    if plan:
+        print(f"applying {len(plan)} migration(s) to the benchmark database")
+        call_command("migrate", verbosity=0, interactive=False)
+    return None
+
+
+def _delete_task_queue(queue: str) -> None:
+    """Drop the private queue the checkouts published their order tasks to."""
+    from shop.celery import app
+
+    try:
+        with app.connection_for_write() as connection:
+            connection.default_channel.queue_delete(queue)
+    except Exception as exc:  # the broker may be down; the checkouts then published nothing
+        print(f"note: could not delete the task queue {queue} ({exc})", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "shop.settings")
+    from django.core.exceptions import ImproperlyConfigured
+
+    try:
+        django.setup()
+    except ImproperlyConfigured as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from django.conf import settings
+
+    from inventory.strategies import strategy_names
+
+    unknown = sorted(set(args.strategies) - set(strategy_names()))
+    if unknown:
+        print(f"error: unknown strategies: {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    problem = _check_database()
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+
+    # Import in the parent what the buyers use, so that every fork starts warm.
+    import redis.lock  # noqa: F401
+    import redis_lock  # noqa: F401
+
+    import inventory.services  # noqa: F401
+    import inventory.strategies.lock  # noqa: F401
+    from inventory.redis_client import redis_key
+    from shop.celery import app
+
+    settings.FLASHSALE_HOLD_DELAY_MS = args.hold_ms
+    # Order tasks go to a queue of this run's own, dropped at the end: no worker of the shop
+    # picks up orders of a benchmark, and nothing piles up in the shop's queue.
+    queue = redis_key("bench", os.getpid(), "orders")
+    app.conf.task_default_queue = queue
+
+    contenders = contenders_for(args)
+    for contender in contenders:
+        if contender.name == EVALSHA:
+            contender.sku = redis_key("bench", "ceiling", "evalsha", os.getpid())
+    print(
+        f"{len(contenders)} contenders, {args.rounds} round(s): {args.buyers} buyer processes, "
+        f"{args.stock} units each (raw EVALSHA: {args.ceiling_stock}), cap {args.duration:g} s, "
+        f"hold {args.hold_ms} ms, lock TTL {settings.FLASHSALE_LOCK_TTL_MS} ms, "
+        f"{os.cpu_count()} CPUs"
+    )
+    results: dict[str, list[Result]] = {contender.name: [] for contender in contenders}
+    try:
+        for round_ in range(args.rounds):
+            shift = round_ % len(contenders)
+            for contender in contenders[shift:] + contenders[:shift]:
+                print(f"  round {round_ + 1}: {contender.name:<27}", end=" ", flush=True)
+                result = run_contender(contender, args, round_)
+                results[contender.name].append(result)
+                print(
+                    f"{result.buys_per_second:>7.0f} buys/s in {result.seconds:.2f} s"
+                    + (" ERRORS" if result.errors else ""),
+                    flush=True,
+                )
+                for error in result.errors:
+                    print(f"    {error.rstrip()}", file=sys.stderr)
+    finally:
+        _delete_task_queue(queue)
+
+    rows = [_median_row(results[contender.name]) for contender in contenders]
+    print_table(rows, args.rounds)
+    if args.profile:
+        print_profile(rows)
+    by_name = {row.contender: row for row in rows}
+    checks = ratios(by_name)
+    print_ratios(checks)
+    print(
+        "\nbuys/s: units sold / seconds from the start barrier to the last sale. cpu py: the "
+        "buyer processes; cpu pg: their PostgreSQL backends; cpu redis: the whole Redis server; "
+        "host cpu: all CPUs of this machine, anything else running included."
+    )
+
+    broken = sorted(
+        {result.contender for runs in results.values() for result in runs if result.broken}
+    )
+    crashed = sorted(
+        {result.contender for runs in results.values() for result in runs if result.errors}
+    )
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "parameters": {
+                        "buyers": args.buyers,
+                        "stock": args.stock,
+                        "duration": args.duration,
+                        "hold_ms": args.hold_ms,
+                        "rounds": args.rounds,
+                        "ceiling_stock": args.ceiling_stock,
+                        "profile": args.profile,
+                        "lock_ttl_ms": settings.FLASHSALE_LOCK_TTL_MS,
+                        "lock_wait_ms": settings.FLASHSALE_LOCK_WAIT_MS,
+                        "cpus": os.cpu_count(),
+                    },
+                    "results": [asdict(result) for runs in results.values() for result in runs],
+                    "medians": {row.contender: row.buys_per_second for row in rows},
+                    "targets": checks,
+                    "broken": broken,
+                    "crashed": crashed,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+    if broken:
+        print(f"INVARIANT BROKEN by: {', '.join(broken)}", file=sys.stderr)
+    if crashed:
+        print(f"buyer processes failed in: {', '.join(crashed)}", file=sys.stderr)
+    return 1 if broken or crashed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
