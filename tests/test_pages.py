@@ -267,6 +267,7 @@ def test_a_buyer_at_the_limit_sees_it_and_cannot_buy(shop_server, page):
     # and another buyer's name may buy again
     page.get_by_label("Your name").fill("gus")
     expect(page.get_by_role("button", name="Buy now")).to_be_enabled()
+    expect(page.locator("[data-sale-message]")).to_be_hidden()
 
 
 def test_the_fallback_banner_shows_while_redis_is_down(page):

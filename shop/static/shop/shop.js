@@ -178,6 +178,10 @@
       setText(this.clock, formatCountdown(this.opensAt - now()));
       this.startClock();
     }
+    if (this.message && this.message.textContent.trim()) {
+      // The "limit reached" note holds for the name it was rendered for.
+      this.message.hidden = phase !== "limit_reached";
+    }
     if (this.button) {
       this.button.disabled = this.submitting || phase !== "on_sale";
     }
