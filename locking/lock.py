@@ -8,13 +8,18 @@ Differences from redis-py's lock, all invisible to code written against redis-py
   holder died is taken as soon as it expires.
 * A ``SET`` that times out on the client may still run on the server; a ``GET`` then
   decides whether the lock is ours.
-* An optional watchdog thread keeps the TTL short while the holder is alive and reports,
-  through :attr:`Lock.lost` and ``on_lost``, when the lock slipped away.
+* An optional watchdog keeps the TTL short while the holder is alive and reports,
+  through :attr:`Lock.lost` and ``on_lost``, when the lock slipped away. Its thread is
+  started only once the lock has been held for one renewal interval (``timeout / 3``):
+  a short critical section, the common case, never creates or joins a thread.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
+import os
 import threading
 import time
 import uuid
@@ -54,7 +59,9 @@ class _Lease:
         self.thread: threading.Thread | None = None
         self.lost = False
         # Serialises "release stops the watchdog" with "watchdog declares the lock
-        # lost", so a renewal failing because of our own release is not reported.
+        # lost" and with "the scheduler starts the watchdog's thread", so a renewal
+        # failing because of our own release is not reported, and no thread starts
+        # for a lease that is already released.
         self.state_lock = threading.Lock()
 
 
@@ -351,31 +358,122 @@ class Lock:
         # The watchdog gets the token through the lease: the token is thread-local
         # and would be invisible from the watchdog's thread. It holds the lock only
         # weakly so that an abandoned lock object lets its lease expire.
-        lease.thread = threading.Thread(
-            target=_watch,
-            args=(weakref.ref(self), lease, self.timeout / 3, self._ttl_ms()),
-            name=f"lock-watchdog:{self.name}",
-            daemon=True,
+        interval = self.timeout / 3
+        _scheduler.schedule(
+            time.monotonic() + interval,
+            lease,
+            _WatchdogStart(weakref.ref(self), self.name, interval, self._ttl_ms()),
         )
-        lease.thread.start()
 
     def _stop_watchdog(self) -> None:
         lease = self.local.lease
-        if lease is None or lease.thread is None:
+        if lease is None or not self.watchdog:
             return
         with lease.state_lock:
             lease.stop.set()
-        if lease.thread is not threading.current_thread():
+        thread = lease.thread
+        if thread is not None and thread is not threading.current_thread():
             # At most one renewal is in flight; the watchdog cannot act after the stop
             # flag is set (see _watch), so a slow join is only a delay, not a risk.
-            lease.thread.join(timeout=1.0)
+            thread.join(timeout=1.0)
 
 
-def _watch(lock_ref: weakref.ref[Lock], lease: _Lease, interval: float, ttl_ms: int) -> None:
-    """Watchdog loop: renew the TTL every ``interval`` until stopped, or report the loss."""
+class _WatchdogStart:
+    """What the scheduler needs to start a lease's watchdog thread once it is due."""
+
+    __slots__ = ("lock_ref", "name", "interval", "ttl_ms")
+
+    def __init__(
+        self, lock_ref: weakref.ref[Lock], name: str, interval: float, ttl_ms: int
+    ) -> None:
+        self.lock_ref = lock_ref
+        self.name = name
+        self.interval = interval
+        self.ttl_ms = ttl_ms
+
+    def __call__(self, lease: _Lease, due: float) -> None:
+        if self.lock_ref() is None:
+            return  # abandoned: let the lease expire
+        with lease.state_lock:
+            if lease.stop.is_set():
+                return  # released meanwhile
+            lease.thread = threading.Thread(
+                target=_watch,
+                args=(self.lock_ref, lease, self.interval, self.ttl_ms, due),
+                name=f"lock-watchdog:{self.name}",
+                daemon=True,
+            )
+            lease.thread.start()
+
+
+class _WatchdogScheduler:
+    """One daemon thread per process that starts a lease's watchdog when its first
+    renewal is due, unless the lease was released before.
+
+    Scheduling costs a heap push under a lock; released leases are not removed, they are
+    dropped when they come due. A wake-up is only needed when the new lease comes due
+    before every pending one, which is rare under load (the pending ones are older).
+    """
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition(threading.Lock())
+        self._pending: list[tuple[float, int, _Lease, _WatchdogStart]] = []
+        self._order = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def schedule(self, due: float, lease: _Lease, start: _WatchdogStart) -> None:
+        with self._condition:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="lock-watchdog-scheduler", daemon=True
+                )
+                self._thread.start()
+            wake = not self._pending or due < self._pending[0][0]
+            heapq.heappush(self._pending, (due, next(self._order), lease, start))
+            if wake:
+                self._condition.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._condition:
+                while True:
+                    now = time.monotonic()
+                    if self._pending and self._pending[0][0] <= now:
+                        break
+                    self._condition.wait(self._pending[0][0] - now if self._pending else None)
+                due = []
+                while self._pending and self._pending[0][0] <= now:
+                    due.append(heapq.heappop(self._pending))
+            for when, _, lease, start in due:
+                if lease.stop.is_set():
+                    continue
+                try:
+                    start(lease, when)
+                except Exception:  # keep serving the other leases
+                    logger.exception("could not start the watchdog of lock %r", start.name)
+
+
+_scheduler = _WatchdogScheduler()
+
+
+def _new_scheduler_after_fork() -> None:
+    # The scheduler's thread does not survive a fork, and its lock may have been held by
+    # it at the time: the child starts afresh (it holds none of the parent's leases).
+    global _scheduler
+    _scheduler = _WatchdogScheduler()
+
+
+os.register_at_fork(after_in_child=_new_scheduler_after_fork)
+
+
+def _watch(
+    lock_ref: weakref.ref[Lock], lease: _Lease, interval: float, ttl_ms: int, first_at: float
+) -> None:
+    """Watchdog loop: renew the TTL at ``first_at`` and then every ``interval`` until
+    stopped, or report the loss."""
     # Scheduled from the previous renewal's start, so a slow round trip does not
     # stretch the period and eat into the TTL margin.
-    next_at = time.monotonic() + interval
+    next_at = first_at
     while not lease.stop.wait(max(0.0, next_at - time.monotonic())):
         next_at = max(next_at + interval, time.monotonic())
         if not _renew(lock_ref, lease, ttl_ms):
