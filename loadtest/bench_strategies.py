@@ -901,7 +901,10 @@ def _delete_task_queue(queue: str) -> None:
 
     try:
         with app.connection_for_write() as connection:
-            connection.default_channel.queue_delete(queue)
+            # Declared first: a channel deletes only the bindings it knows of.
+            bound = app.amqp.queues[queue](connection.default_channel)
+            bound.declare()
+            bound.delete()
     except Exception as exc:  # the broker may be down; the checkouts then published nothing
         print(f"note: could not delete the task queue {queue} ({exc})", file=sys.stderr)
 
