@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -99,15 +100,17 @@ class Batch:
 
 
 def new_batch_id() -> str:
-    return timezone.now().strftime("%Y%m%d-%H%M%S")
+    return f"{timezone.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:4]}"
 
 
-def run_batch(config: LoadRunSettings, *, progress: Progress = print) -> Batch:
+def run_batch(
+    config: LoadRunSettings, *, progress: Progress = print, batch: str | None = None
+) -> Batch:
     """Run the baseline and every strategy; record, report and return the runs."""
     from .report import write_report
 
     config.validate()
-    batch = new_batch_id()
+    batch = batch or new_batch_id()
     out = Path(config.out or PROJECT_DIR / "reports" / batch)
     out.mkdir(parents=True, exist_ok=True)
     runs: list[SaleRun] = []
@@ -168,6 +171,7 @@ def _run_one(
         "host": config.host or "local gunicorn",
         "server_workers": None if config.host else config.server_workers,
         "warmup": config.warmup_seconds,
+        "strategies": config.strategies,
     }
     run = SaleRun.objects.create(batch=batch, strategy=strategy, sku=sku, parameters=parameters)
     if sku:

@@ -100,8 +100,13 @@ class CeleryWorker:
     """A real `celery -A shop worker` process, in its own process group."""
 
     def __init__(
-        self, env: dict[str, str], concurrency: int = 2, log_path: Path | None = None
+        self,
+        env: dict[str, str],
+        concurrency: int = 2,
+        log_path: Path | None = None,
+        loglevel: str = "warning",
     ) -> None:
+        self.loglevel = loglevel
         self.env = {**os.environ, **env}
         self.concurrency = concurrency
         self.log_path = log_path
@@ -111,7 +116,7 @@ class CeleryWorker:
     def start(self, timeout: float = 30.0) -> CeleryWorker:
         command = [
             sys.executable, "-m", "celery", "-A", "shop", "worker",
-            "--loglevel", "warning", "--concurrency", str(self.concurrency),
+            "--loglevel", self.loglevel, "--concurrency", str(self.concurrency),
             "--without-gossip", "--without-mingle", "--without-heartbeat",
             "--hostname", self.hostname,
         ]  # fmt: skip
@@ -128,7 +133,7 @@ class CeleryWorker:
 
         # A bare app on the worker's broker: the project's app may be on another one.
         broker = self.env.get("CELERY_BROKER_URL") or self.env.get("REDIS_URL")
-        probe = Celery(broker=broker or "redis://127.0.0.1:6379/0")
+        probe = Celery(broker=broker or "redis://127.0.0.1:6379/0", set_as_current=False)
         deadline = time.monotonic() + timeout
         try:
             while time.monotonic() < deadline:

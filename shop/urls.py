@@ -2,6 +2,7 @@ from django.contrib import admin
 from django.urls import include, path
 
 from inventory import api
+from loadtest.views import compare_view
 
 from . import views
 
@@ -11,6 +12,7 @@ urlpatterns = [
     path("orders/<int:order_id>/", views.order_page, name="order"),
     path("api/", include("inventory.urls")),
     path("healthz", api.healthz, name="healthz"),
+    path("admin/compare/", compare_view, name="admin-compare"),
     path("admin/", admin.site.urls),
     # Browsers ask for /favicon.ico on pages that name no icon (the admin's).
     path("favicon.ico", views.favicon),

@@ -1,0 +1,147 @@
+"""The admin's "Compare strategies" page: recorded load runs side by side, and a form that
+starts a new batch on a Celery worker."""
+
+from __future__ import annotations
+
+from django import forms
+from django.contrib import admin, messages
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import redirect
+from django.template.response import TemplateResponse
+from django.urls import reverse
+
+from inventory.exceptions import InvalidRequest
+from inventory.models import SaleRun
+from inventory.strategies import strategy_names
+
+from .report import COLUMNS, bar_chart, cell, line_chart
+from .runs import BASELINE, LoadRunSettings, new_batch_id
+
+RECENT_RUNS = 60
+
+
+class StartRunForm(forms.Form):
+    strategies = forms.MultipleChoiceField(
+        choices=[(name, name) for name in strategy_names()],
+        initial=strategy_names(),
+        widget=forms.CheckboxSelectMultiple,
+    )
+    stock = forms.IntegerField(min_value=1, max_value=10**7, initial=300)
+    users = forms.IntegerField(min_value=1, max_value=10_000, initial=40)
+    spawn_rate = forms.FloatField(min_value=0.1, max_value=10_000, initial=100)
+    duration = forms.IntegerField(min_value=3, max_value=3600, initial=15, label="Duration (s)")
+
+
+class FilterForm(forms.Form):
+    strategy = forms.ChoiceField(
+        required=False, choices=[("", "any")] + [(n, n) for n in [BASELINE, *strategy_names()]]
+    )
+    stock = forms.IntegerField(required=False, min_value=1)
+    users = forms.IntegerField(required=False, min_value=1)
+    duration = forms.IntegerField(required=False, min_value=1)
+    batch = forms.CharField(required=False, max_length=32)
+
+
+def _filtered(form: FilterForm):
+    runs = SaleRun.objects.all()
+    if not form.is_valid():
+        return runs
+    data = form.cleaned_data
+    if data["strategy"]:
+        runs = runs.filter(strategy=data["strategy"])
+    for key in ("stock", "users", "duration"):
+        if data[key]:
+            runs = runs.filter(**{f"parameters__{key}": data[key]})
+    if data["batch"]:
+        runs = runs.filter(batch=data["batch"])
+    return runs
+
+
+def _selected(request: HttpRequest, candidates) -> list[SaleRun]:
+    chosen = [int(pk) for pk in request.GET.getlist("run") if pk.isdigit()]
+    if chosen:
+        return list(SaleRun.objects.filter(pk__in=chosen).order_by("started_at", "pk"))
+    latest = candidates.first()
+    if latest is None:
+        return []
+    return list(SaleRun.objects.filter(batch=latest.batch).order_by("started_at", "pk"))
+
+
+def _label(run: SaleRun, runs: list[SaleRun]) -> str:
+    same_strategy = sum(1 for other in runs if other.strategy == run.strategy) > 1
+    return f"{run.strategy} #{run.pk}" if same_strategy else run.strategy
+
+
+def _charts(runs: list[SaleRun]) -> list[str]:
+    labelled = [(_label(run, runs), run) for run in runs]
+    sales = [(label, run) for label, run in labelled if run.strategy != BASELINE]
+    baselines = [run.requests_per_second for run in runs if run.strategy == BASELINE]
+    reference = ("HTTP ceiling", baselines[0]) if len(baselines) == 1 else None
+    return [
+        bar_chart(
+            "Throughput (requests/s)",
+            [(label, run.requests_per_second or 0) for label, run in labelled],
+            reference=reference,
+        ),
+        bar_chart("Goodput (units/s)", [(label, run.goodput or 0) for label, run in sales]),
+        bar_chart("Checkout p99 (ms)", [(label, run.p99_ms or 0) for label, run in labelled]),
+        bar_chart("Oversold units", [(label, run.oversold or 0) for label, run in sales]),
+        line_chart(
+            "Units sold over time (s)",
+            [(label, [(s["t"], s["units_sold"]) for s in run.history]) for label, run in sales],
+        ),
+    ]
+
+
+def compare(request: HttpRequest) -> HttpResponse:
+    """GET: compare runs (the latest batch, or the `run` ids chosen). POST: start a batch."""
+    if request.method == "POST":
+        return _start(request)
+    filters = FilterForm(request.GET or None)
+    candidates = _filtered(filters)
+    runs = _selected(request, candidates)
+    batch = request.GET.get("batch") or ""
+    planned = len(runs[0].parameters.get("strategies", [])) + 1 if runs else 0
+    running = bool(batch) and (
+        not runs or len(runs) < planned or any(run.status == SaleRun.Status.RUNNING for run in runs)
+    )
+    for run in runs:
+        run.cells = [cell(run, key) for key, _ in COLUMNS] + [run.batch, run.status]
+    context = {
+        **admin.site.each_context(request),
+        "title": "Compare strategies",
+        "runs": runs,
+        "headers": [label for _, label in COLUMNS],
+        "charts": _charts(runs) if runs else [],
+        "candidates": candidates[:RECENT_RUNS],
+        "chosen": {run.pk for run in runs},
+        "filters": filters,
+        "start_form": StartRunForm(),
+        "watching": batch,
+        "running": running,
+        "planned": planned,
+    }
+    return TemplateResponse(request, "admin/loadtest/compare.html", context)
+
+
+def _start(request: HttpRequest) -> HttpResponse:
+    from .tasks import run_load_batch_task
+
+    form = StartRunForm(request.POST)
+    if not form.is_valid():
+        messages.error(request, f"Not started: {form.errors.as_text()}")
+        return redirect(reverse("admin-compare"))
+    settings = {**form.cleaned_data}
+    config = LoadRunSettings(**settings)
+    try:
+        config.validate()
+    except InvalidRequest as error:
+        messages.error(request, f"Not started: {error.detail}")
+        return redirect(reverse("admin-compare"))
+    batch = new_batch_id()
+    run_load_batch_task.delay(settings, batch)
+    messages.info(request, f"Load run {batch} queued: a Celery worker runs it now.")
+    return redirect(f"{reverse('admin-compare')}?batch={batch}")
+
+
+compare_view = admin.site.admin_view(compare)

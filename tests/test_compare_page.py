@@ -1,0 +1,123 @@
+"""The admin's "Compare strategies" page: staff only, runs side by side, starting a batch."""
+
+from __future__ import annotations
+
+import pytest
+from django.contrib.auth.models import User
+from django.test import Client
+
+from inventory.models import SaleRun
+from loadtest.server import CeleryWorker
+from tests.conftest import server_env, wait_until
+
+pytestmark = pytest.mark.django_db
+
+
+def _history(units: int) -> list[dict]:
+    return [
+        {"t": t, "users": 10, "requests_per_second": 100.0, "p95_ms": 20.0, "units_sold": u}
+        for t, u in enumerate([0, units // 2, units, units])
+    ]
+
+
+def _batch(batch: str) -> list[SaleRun]:
+    common = {"batch": batch, "status": SaleRun.Status.DONE, "parameters": {
+        "stock": 50, "users": 10, "duration": 5, "strategies": ["lua", "unsafe"]}}  # fmt: skip
+    return [
+        SaleRun.objects.create(strategy="baseline", requests_per_second=900, p99_ms=9, **common),
+        SaleRun.objects.create(
+            strategy="lua",
+            requests_per_second=300,
+            baseline_requests_per_second=900,
+            p99_ms=40,
+            goodput=25,
+            accepted_units=50,
+            oversold=0,
+            remaining=0,
+            history=_history(50),
+            **common,
+        ),  # fmt: skip
+        SaleRun.objects.create(
+            strategy="unsafe",
+            requests_per_second=200,
+            baseline_requests_per_second=900,
+            p99_ms=60,
+            goodput=30,
+            accepted_units=80,
+            oversold=30,
+            remaining=0,
+            history=_history(80),
+            **common,
+        ),  # fmt: skip
+    ]
+
+
+@pytest.fixture
+def staff_client():
+    User.objects.create_user("boss", password="pw-for-tests-only", is_staff=True)
+    client = Client()
+    client.login(username="boss", password="pw-for-tests-only")
+    return client
+
+
+def test_anyone_but_staff_is_sent_to_the_login_page():
+    User.objects.create_user("buyer", password="pw-for-tests-only")
+    anonymous = Client().get("/admin/compare/")
+    assert anonymous.status_code == 302 and "/admin/login/" in anonymous["Location"]
+    buyer = Client()
+    buyer.login(username="buyer", password="pw-for-tests-only")
+    response = buyer.get("/admin/compare/")
+    assert response.status_code == 302 and "/admin/login/" in response["Location"]
+
+
+def test_the_latest_batch_is_compared_with_table_and_charts(staff_client):
+    _batch("older")
+    runs = _batch("newer")
+    page = staff_client.get("/admin/compare/").content.decode()
+    assert page.count('role="img"') == 5
+    for run in runs:
+        assert f'value="{run.pk}" checked' in page
+    assert "0.33" in page  # lua's 300 req/s against the 900 req/s HTTP ceiling
+
+
+def test_chosen_runs_and_filters(staff_client):
+    older = _batch("older")
+    newer = _batch("newer")
+    chosen = [older[1].pk, newer[1].pk]
+    page = staff_client.get("/admin/compare/", {"run": chosen}).content.decode()
+    assert f"lua #{older[1].pk}" in page and f"lua #{newer[1].pk}" in page
+    filtered = staff_client.get("/admin/compare/", {"strategy": "unsafe"}).content.decode()
+    assert f'value="{older[2].pk}"' in filtered and f'value="{older[1].pk}"' not in filtered
+
+
+def test_bad_start_parameters_start_nothing(staff_client):
+    response = staff_client.post(
+        "/admin/compare/", {"strategies": ["lua"], "stock": 0, "users": 1, "spawn_rate": 1,
+                            "duration": 5}, follow=True)  # fmt: skip
+    assert "Not started" in response.content.decode()
+    assert SaleRun.objects.count() == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_run_started_from_the_page_runs_on_a_worker_and_appears(staff_client):
+    worker = CeleryWorker(server_env(), concurrency=1).start()
+    try:
+        response = staff_client.post(
+            "/admin/compare/",
+            {"strategies": ["lua"], "stock": 10, "users": 5, "spawn_rate": 50, "duration": 3},
+        )
+        assert response.status_code == 302 and "?batch=" in response["Location"]
+        progress = staff_client.get(response["Location"]).content.decode()
+        assert "is running" in progress and 'http-equiv="refresh"' in progress
+
+        def finished() -> bool:
+            runs = SaleRun.objects.all()
+            return runs.count() == 2 and not runs.filter(status=SaleRun.Status.RUNNING).exists()
+
+        assert wait_until(finished, timeout=120, interval=1)
+    finally:
+        worker.stop()
+    done = staff_client.get(response["Location"]).content.decode()
+    assert "is done" in done and done.count('role="img"') == 5
+    lua = SaleRun.objects.get(strategy="lua")
+    assert lua.status == SaleRun.Status.DONE and lua.oversold == 0 and lua.accepted_units == 10
