@@ -119,6 +119,10 @@ def health() -> dict[str, Any]:
         redis_state = "ok"
     except REDIS_DOWN_ERRORS as exc:
         redis_state = f"down: {exc.__class__.__name__}"
+    if redis_state == "ok" and breaker.is_open:
+        # Let this process's breaker probe now (and rebuild) rather than on its next checkout,
+        # so that /healthz of every process agrees once Redis is back.
+        breaker.allow()
     return {
         "database": database,
         "redis": redis_state,

@@ -78,6 +78,7 @@ class LoadRunSettings:
             (1 <= self.workers <= 64, "workers: from 1 to 64"),
             (1 <= self.qty <= 100, "qty: from 1 to 100"),
             (1 <= self.server_workers <= 64, "server workers: from 1 to 64"),
+            (0 <= self.unsafe_delay_ms <= 10_000, "unsafe delay: from 0 to 10000 ms"),
         ]
         for ok, message in checks:
             if not ok:

@@ -25,7 +25,7 @@ def test_a_short_load_run_records_audits_and_reports_every_strategy(tmp_path):
         sys.executable, "manage.py", "loadtest",
         "--strategies", "lock,segmented,lua,optimistic,unsafe",
         "--stock", "20", "--users", "12", "--spawn-rate", "60", "--duration", "6",
-        "--server-workers", "4", "--out", str(tmp_path),
+        "--server-workers", "4", "--unsafe-delay-ms", "20", "--out", str(tmp_path),
     ]  # fmt: skip
 
     # When the load run floods them one after another

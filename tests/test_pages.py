@@ -425,3 +425,35 @@ def test_staff_see_the_item_order_and_sale_run_lists(shop_server, page):
     for text in ("lua", "b-1", "Done", "381.2", "200.0", "41.5"):
         expect(run).to_contain_text(text)
     screenshot(page, "16-admin-sale-runs")
+
+
+def test_staff_compare_two_recorded_runs_side_by_side(shop_server, page):
+    # Given a batch of recorded runs and a staff user
+    common = {"batch": "b-cmp", "status": SaleRun.Status.DONE, "parameters": {
+        "stock": 50, "users": 10, "duration": 5, "strategies": ["lua", "lock"]}}  # fmt: skip
+    history = [{"t": t, "users": 10, "requests_per_second": 90.0, "p95_ms": 20.0,
+                "units_sold": units} for t, units in enumerate([0, 30, 50])]  # fmt: skip
+    SaleRun.objects.create(strategy="baseline", requests_per_second=900, p99_ms=9, **common)
+    for strategy, rps in (("lua", 300.0), ("lock", 150.0)):
+        SaleRun.objects.create(
+            strategy=strategy, requests_per_second=rps, baseline_requests_per_second=900,
+            p99_ms=40, goodput=25, accepted_units=50, oversold=0, remaining=0,
+            history=history, **common,
+        )  # fmt: skip
+    _user("staff", staff=True)
+    page.set_viewport_size({"width": 1400, "height": 1000})
+    page.goto(f"{shop_server.url}/admin/")
+    page.get_by_label("Username").fill("staff")
+    page.get_by_label("Password").fill("a-long-test-password")
+    page.get_by_role("button", name="Log in").click()
+
+    # When they follow the admin's link to the comparison
+    page.get_by_role("link", name="Compare strategies").click()
+
+    # Then the runs stand side by side in the table, with their charts
+    rows = page.locator("#runs tbody tr")
+    expect(rows).to_have_count(3)
+    expect(rows.nth(1)).to_contain_text("0.33")
+    expect(page.locator("svg[role=img]")).to_have_count(5)
+    expect(page.get_by_role("img", name="Units sold over time (s)")).to_be_visible()
+    screenshot(page, "17-admin-compare")

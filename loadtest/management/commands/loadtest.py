@@ -52,6 +52,12 @@ class Command(BaseCommand):
             "server; 0, no wait, with --host)",
         )
         parser.add_argument(
+            "--unsafe-delay-ms",
+            type=int,
+            default=5,
+            help="simulated work between unsafe's read and write, on a server started here",
+        )
+        parser.add_argument(
             "--warmup",
             type=float,
             default=None,
@@ -73,6 +79,7 @@ class Command(BaseCommand):
             server_workers=options["server_workers"],
             settle_timeout=options["settle_timeout"],
             warmup=options["warmup"],
+            unsafe_delay_ms=options["unsafe_delay_ms"],
         )
         try:
             config.validate()
