@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from locking import StockCounter
-from tests.support import delete_prefix, redis_url, unique_prefix
+from tests.support import delete_prefix, gather_from_processes, redis_url, unique_prefix
 
 
 def test_take_exact_results(r: redis.Redis, prefix: str) -> None:
@@ -122,16 +122,7 @@ def test_concurrent_takes_never_oversell(r: redis.Redis, prefix: str) -> None:
         )
         for _ in range(PROCESSES)
     ]
-    for proc in procs:
-        proc.start()
-    try:
-        outcomes = [results.get(timeout=60) for _ in procs]
-    finally:
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+    outcomes = gather_from_processes(procs, results)
     assert all(isinstance(o, list) for o in outcomes), outcomes
     assert [proc.exitcode for proc in procs] == [0] * PROCESSES
     returned = [value for outcome in outcomes for value in outcome]

@@ -26,7 +26,7 @@ from redis.retry import Retry
 
 import locking
 from locking import Lock, scripts
-from tests.support import redis_url
+from tests.support import gather_from_processes, redis_url
 from tests.support.redis_server import RedisServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -379,16 +379,7 @@ def test_watchdog_processes_never_overlap(r: redis.Redis, prefix: str) -> None:
         )
         for _ in range(4)
     ]
-    for proc in procs:
-        proc.start()
-    try:
-        records = [results.get(timeout=60) for _ in procs]
-    finally:
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+    records = gather_from_processes(procs, results)
     _assert_serialised(records, 4)
     assert [proc.exitcode for proc in procs] == [0] * 4
     assert int(r.get(occupancy_key)) == 0

@@ -35,3 +35,17 @@ def delete_prefix(client: Any, prefix: str) -> int:
 
 def _glob_escape(text: str) -> str:
     return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)
+
+
+def gather_from_processes(processes: list[Any], results: Any, *, timeout: float = 60) -> list:
+    """Start the processes, take one item each from ``results``, and leave none running."""
+    for process in processes:
+        process.start()
+    try:
+        return [results.get(timeout=timeout) for _ in processes]
+    finally:
+        for process in processes:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+                process.join()
