@@ -4,11 +4,13 @@
         --sku phone --strategy lua -u 50 -r 50 -t 20s
 
 Each simulated user is one buyer with a unique id: it looks at the item now and then and
-checks out as fast as the shop answers. `201`, `409 sold_out`, `409 limit_reached` and
-`409 not_started` are correct answers in a flash sale and count as successes; `5xx`, timeouts
-and anything else count as failures. Two extra series go into Locust's stats: `UNITS sold`
-(one entry per unit accepted, so its history is units sold over time) and `LOCK wait` (the
-server's lock wait from its Server-Timing header, where the strategy has a lock).
+checks out as fast as the shop answers. During the warm-up (the first `--warmup-share` of the
+run) a tenth of the users arrive and only look; then the whole crowd arrives and buys.
+`201`, `409 sold_out`, `409 limit_reached` and `409 not_started` are correct answers in a
+flash sale and count as successes; `5xx`, timeouts and anything else count as failures. Two
+extra series go into Locust's stats: `UNITS sold` (one entry per unit accepted, so its history
+is units sold over time) and `LOCK wait` (the server's lock wait from its Server-Timing header,
+where the strategy has a lock).
 
 At the end, on the master or the only process, the run is audited over HTTP
 (`GET /api/items/<sku>/audit`): if the sale sold more than it had, the process exits with
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 import urllib.request
 import uuid
 
@@ -58,11 +61,18 @@ def _add_options(parser) -> None:
     )
 
 
+#: When the crowd arrives (monotonic clock of this process); until then buyers only look.
+_crowd_at = 0.0
+
+
 @events.test_start.add_listener
 def _check_options(environment, **_kwargs) -> None:
+    global _crowd_at
     options = environment.parsed_options
     if options is not None and not options.sku:
         raise SystemExit("flashsale locustfile: --sku is required")
+    if options is not None:
+        _crowd_at = time.monotonic() + (options.run_time or 0) * options.warmup_share
 
 
 class Buyer(FastHttpUser):
@@ -88,6 +98,10 @@ class Buyer(FastHttpUser):
 
     @task(4)
     def checkout(self) -> None:
+        if time.monotonic() < _crowd_at:
+            # Early visitors watch the item (and its countdown); the crowd buys.
+            self.view_item()
+            return
         body = {"sku": self.sku, "qty": self.qty, "buyer": self.buyer}
         path = "/api/noop" if self.baseline else "/api/checkout"
         with self.client.post(path, json=body, name="checkout", catch_response=True) as r:

@@ -121,3 +121,12 @@ def test_a_run_started_from_the_page_runs_on_a_worker_and_appears(staff_client):
     assert "is done" in done and done.count('role="img"') == 5
     lua = SaleRun.objects.get(strategy="lua")
     assert lua.status == SaleRun.Status.DONE and lua.oversold == 0 and lua.accepted_units == 10
+
+
+def test_a_batch_delivered_again_is_not_run_again():
+    from loadtest.tasks import run_load_batch_task
+
+    _batch("b-again")
+    settings = {"strategies": ["lua"], "stock": 5, "users": 2, "spawn_rate": 2, "duration": 3}
+    assert run_load_batch_task.run(settings, "b-again") == ""
+    assert SaleRun.objects.filter(batch="b-again").count() == 3
