@@ -90,3 +90,22 @@ def test_the_locust_audit_passes_a_safe_run(shop_server):
 
     assert result.returncode == 0, result.stderr[-2000:]
     assert '"oversold": 0' in result.stderr
+
+
+def test_a_distributed_load_run_uses_several_locust_processes(tmp_path):
+    command = [
+        sys.executable, "manage.py", "loadtest", "--strategies", "lua",
+        "--stock", "20", "--users", "8", "--spawn-rate", "60", "--duration", "4",
+        "--server-workers", "2", "--workers", "2", "--out", str(tmp_path),
+    ]  # fmt: skip
+
+    result = subprocess.run(
+        command, cwd=ROOT, env=server_env(), capture_output=True, text=True, timeout=180
+    )
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 workers connected" in (tmp_path / "lua.log").read_text()
+    batch = re.search(r"^batch (\S+):", result.stderr, re.MULTILINE).group(1)
+    lua = SaleRun.objects.get(batch=batch, strategy="lua")
+    assert lua.status == SaleRun.Status.DONE
+    assert lua.accepted_units == 20 and lua.oversold == 0 and lua.parameters["workers"] == 2
