@@ -72,15 +72,9 @@ class ItemAdmin(admin.ModelAdmin):
         "current_sale",
         "created_at",
     ]
-    readonly_fields = [
-        "strategy",
-        "stock",
-        "per_buyer_limit",
-        "shard_count",
-        "version",
-        "current_sale",
-        "created_at",
-    ]
+    # Only the display fields are editable here: stock, strategy and limit change through
+    # `sale start`, which keeps shards, Redis and allowances in step.
+    readonly_fields = [name for name in fields if name not in ("sku", "name", "price")]
     inlines = [StockShardInline]
 
     def get_readonly_fields(self, request: HttpRequest, obj: Item | None = None) -> list[str]:
