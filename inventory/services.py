@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from decimal import Decimal
 
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
+from . import stock
 from .exceptions import InvalidRequest, LimitReached, NotOnSale, NotStarted, UnknownSku
 from .models import BuyerAllowance, Item, Order, Sale, StockShard
-from .orders import enqueue_order
+from .orders import order_placed
 from .redis_client import REDIS_DOWN_ERRORS, get_redis_client, redis_key
-from .stock import split_stock
+from .stock import Sold, split_stock
 from .strategies import Allocation, get_strategy, strategy_names
 
 logger = logging.getLogger(__name__)
@@ -42,30 +43,30 @@ def place_order(
         replay = _replay(idempotency_key, sku=sku, qty=qty, buyer=buyer)
         if replay is not None:
             return CheckoutResult(order=replay, created=False)
-    try:
-        item = Item.objects.select_related("current_sale").get(sku=sku)
-    except Item.DoesNotExist:
-        raise UnknownSku(sku) from None
-    if item.current_sale is None:
+    found = checkout_item(sku)
+    if found is None:
+        raise UnknownSku(sku)
+    item, opens_at = found
+    if item.current_sale_id is None:
         raise NotOnSale(sku)
-    if item.current_sale.opens_at > timezone.now():
-        raise NotStarted(sku, item.current_sale.opens_at)
+    if opens_at > timezone.now():
+        raise NotStarted(sku, opens_at)
     limit = item.per_buyer_limit
     if limit is not None and qty > limit:
         raise LimitReached(sku=sku, limit=limit)
 
-    def record(allocation: Allocation) -> Order:
-        if limit is not None:
-            _reserve_allowance(item=item, buyer=buyer, qty=qty, limit=limit)
-        return Order.objects.create(
+    def record(allocation: Allocation) -> Sold | None:
+        return stock.sell(
             item=item,
-            sale_id=item.current_sale_id,
-            buyer=buyer,
             qty=qty,
-            idempotency_key=idempotency_key or None,
+            buyer=buyer,
             served_by=allocation.strategy,
+            idempotency_key=idempotency_key,
+            limit=limit,
             fallback=allocation.fallback,
             shard_units=allocation.shard_units,
+            expected_version=allocation.expected_version,
+            set_stock=allocation.set_stock,
         )
 
     try:
@@ -79,7 +80,7 @@ def place_order(
                 return CheckoutResult(order=replay, created=False)
         raise
     # Outside any transaction this runs at once: the order row is committed by now.
-    transaction.on_commit(lambda: enqueue_order(order.pk))
+    transaction.on_commit(lambda: order_placed(order.pk))
     return CheckoutResult(order=order, created=True)
 
 
@@ -95,15 +96,37 @@ def _replay(key: str, *, sku: str, qty: int, buyer: str) -> Order | None:
     return order
 
 
-def _reserve_allowance(*, item: Item, buyer: str, qty: int, limit: int) -> None:
-    """Count qty more units against buyer; the database refuses to pass the limit."""
-    table = BuyerAllowance._meta.db_table
+_CHECKOUT_COLUMNS = (
+    "id",
+    "sku",
+    "name",
+    "price",
+    "stock",
+    "version",
+    "strategy",
+    "per_buyer_limit",
+    "shard_count",
+    "current_sale_id",
+)
+
+
+def checkout_item(sku: str) -> tuple[Item, datetime | None] | None:
+    """The item sold as sku and its sale's opening time, or None when there is no such item.
+
+    One hand-written query: this runs for every checkout, where the ORM's query building
+    would cost more than the database does.
+    """
+    columns = ", ".join(f"i.{column}" for column in _CHECKOUT_COLUMNS)
     with connection.cursor() as cursor:
         cursor.execute(
-            f"INSERT INTO {table} (item_id, buyer, units, unit_limit) VALUES (%s, %s, %s, %s)"
-            f" ON CONFLICT (item_id, buyer) DO UPDATE SET units = {table}.units + EXCLUDED.units",
-            [item.pk, buyer, qty, limit],
+            f"SELECT {columns}, s.opens_at FROM {Item._meta.db_table} i"
+            f" LEFT JOIN {Sale._meta.db_table} s ON s.id = i.current_sale_id WHERE i.sku = %s",
+            [sku],
         )
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    return Item.from_db(connection.alias, _CHECKOUT_COLUMNS, row[:-1]), row[-1]
 
 
 def _violated_constraint(exc: IntegrityError) -> str | None:

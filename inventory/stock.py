@@ -2,21 +2,28 @@
 
 Every decrement here is a conditional UPDATE (`stock >= qty`, and a version check where the
 caller read one), so a write made on stale information changes nothing instead of overselling.
-Transactions that touch an item lock its row first and its shards after, in index order, so two
-of them can never deadlock.
+Writes that touch an item's shards lock the shards first, in index order, and the item row last,
+so two of them can never deadlock.
+
+A sale is one SQL statement (`sell`): the guarded decrements, the buyer's allowance and the
+order row, committed together or not at all. One statement means one round trip, and the hot
+item row stays locked only from its UPDATE to the commit that ends the same statement, never
+across a round trip to the client.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from django.conf import settings
-from django.db import OperationalError, connection
+from django.db import DatabaseError, OperationalError, connection
 from django.db.models import F
+from django.utils import timezone
 
-from .models import BuyerAllowance, Item, Order, StockShard
+from .models import BuyerAllowance, Item, Order, OrderStatus, StockShard
 
 
 @dataclass(frozen=True)
@@ -53,60 +60,160 @@ def lock_stock_row(item_id: int) -> StockRow:
     return StockRow(stock=stock, version=version)
 
 
-def take_item_units(item_id: int, qty: int, *, expected_version: int | None = None) -> bool:
-    """Take qty units off the item if it has them (and is still at `expected_version`)."""
-    rows = Item.objects.filter(pk=item_id, stock__gte=qty)
-    if expected_version is not None:
-        rows = rows.filter(version=expected_version)
-    return rows.update(stock=F("stock") - qty, version=F("version") + 1) == 1
+@dataclass(frozen=True)
+class Sold:
+    """A committed sale: the order row, and the units left where they were taken from."""
+
+    order: Order
+    item_stock: int
+    #: Units left on each shard the sale took from (empty when it took from none).
+    shard_levels: dict[int, int] = field(default_factory=dict)
 
 
-def take_shard_units(item_id: int, index: int, qty: int) -> int | None:
-    """Take qty units off one shard if it has them; return the shard's new stock, else None."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"UPDATE {StockShard._meta.db_table} SET stock = stock - %s, version = version + 1"
-            " WHERE item_id = %s AND index = %s AND stock >= %s RETURNING stock",
-            [qty, item_id, index, qty],
-        )
-        row = cursor.fetchone()
-    return None if row is None else row[0]
+class HalfDone(Exception):
+    """A sale statement took from some of its rows but not all: PostgreSQL rolled it back."""
 
 
-def take_from_shards(item_id: int, qty: int) -> dict[int, int]:
-    """Take qty units from an item's shards, lowest index first; return units per shard.
+#: SQLSTATE raised by `inventory_all_or_nothing` (migration 0004).
+HALF_DONE_SQLSTATE = "FS001"
 
-    Call inside the transaction that has just taken the same units off the item row: shards add
-    up to the item's stock, so they hold enough.
+
+def sell(
+    *,
+    item: Item,
+    qty: int,
+    buyer: str,
+    served_by: str,
+    idempotency_key: str | None = None,
+    limit: int | None = None,
+    fallback: bool = False,
+    shard_units: dict[int, int] | None = None,
+    expected_version: int | None = None,
+    set_stock: int | None = None,
+) -> Sold | None:
+    """Take qty units of item and write the buyer's order, in one statement; None if refused.
+
+    The item row's decrement is guarded by `stock >= qty` (and `version = expected_version`
+    when given); each shard in `shard_units` by `stock >= units`. Either every guard passes and
+    everything is written (decrements, the buyer's allowance when the item has a per-buyer
+    `limit`, the order row), or nothing is: a refusal returns None, a refusal that comes after
+    some shards were decremented aborts the statement and raises HalfDone.
+
+    `set_stock` replaces the guarded decrement by an absolute, unguarded write of the item's
+    stock: the lost update that `unsafe` and the lock's pitfall toggle demonstrate.
+
+    Raises IntegrityError when the allowance would pass the limit (constraint
+    `allowance_within_limit`) or the idempotency key is taken. Outside a transaction the
+    statement commits on return; inside one it is part of it.
     """
-    plan: dict[int, int] = {}
-    needed = qty
-    shards = StockShard.objects.select_for_update().filter(item_id=item_id, stock__gt=0)
-    for index, stock in shards.order_by("index").values_list("index", "stock"):
-        if needed == 0:
-            break
-        units = min(stock, needed)
-        plan[index] = units
-        needed -= units
-    if needed:
-        raise RuntimeError(f"item {item_id}: shards hold fewer units than the item row")
-    for index, units in plan.items():
-        StockShard.objects.filter(item_id=item_id, index=index).update(
-            stock=F("stock") - units, version=F("version") + 1
+    shards = sorted((shard_units or {}).items())
+    params: dict[str, object] = {
+        "item": item.pk,
+        "sale": item.current_sale_id,
+        "qty": qty,
+        "buyer": buyer,
+        "key": idempotency_key or None,
+        "served_by": served_by,
+        "fallback": fallback,
+        "shard_units": json.dumps({str(index): units for index, units in shards})
+        if shards
+        else None,
+        "now": timezone.now(),
+    }
+    ctes = []
+    for n, (index, units) in enumerate(shards):
+        params[f"si{n}"] = index
+        params[f"su{n}"] = units
+        ctes.append(
+            f"s{n} AS (UPDATE {_SHARD} SET stock = stock - %(su{n})s, version = version + 1"
+            f" WHERE item_id = %(item)s AND index = %(si{n})s AND stock >= %(su{n})s"
+            " RETURNING index, stock)"
         )
-    return plan
+    if set_stock is None:
+        assignment, guard = "stock = stock - %(qty)s", " AND stock >= %(qty)s"
+    else:
+        params["set_stock"] = set_stock
+        assignment, guard = "stock = %(set_stock)s", ""
+    if expected_version is not None:
+        params["version"] = expected_version
+        guard += " AND version = %(version)s"
+    # Shards first: the item row is locked only once every shard is ours (the lock order).
+    guard += "".join(f" AND EXISTS (SELECT 1 FROM s{n})" for n in range(len(shards)))
+    ctes.append(
+        f"taken AS (UPDATE {_ITEM} SET {assignment}, version = version + 1"
+        f" WHERE id = %(item)s{guard} RETURNING stock)"
+    )
+    if limit is not None:
+        params["limit"] = limit
+        ctes.append(
+            f"allowance AS (INSERT INTO {_ALLOWANCE} (item_id, buyer, units, unit_limit)"
+            " SELECT %(item)s, %(buyer)s, %(qty)s, %(limit)s FROM taken"
+            f" ON CONFLICT (item_id, buyer) DO UPDATE SET units = {_ALLOWANCE}.units"
+            " + EXCLUDED.units)"
+        )
+    ctes.append(
+        f"placed AS (INSERT INTO {_ORDER} (item_id, sale_id, buyer, qty, status,"
+        " idempotency_key, served_by, fallback, shard_units, created_at, updated_at)"
+        " SELECT %(item)s, %(sale)s, %(buyer)s, %(qty)s, 'pending', %(key)s, %(served_by)s,"
+        " %(fallback)s, %(shard_units)s::jsonb, %(now)s, %(now)s FROM taken RETURNING id)"
+    )
+    columns = ["(SELECT id FROM placed)", "(SELECT stock FROM taken)"]
+    if shards:
+        levels = " UNION ALL ".join(f"SELECT index, stock FROM s{n}" for n in range(len(shards)))
+        parts = " + ".join(
+            ["(SELECT count(*) FROM taken)"]
+            + [f"(SELECT count(*) FROM s{n})" for n in range(len(shards))]
+        )
+        columns.append(f"(SELECT json_object_agg(index, stock) FROM ({levels}) AS levels)")
+        columns.append(f"inventory_all_or_nothing(({parts})::int, {len(shards) + 1})")
+    sql = f"WITH {', '.join(ctes)} SELECT {', '.join(columns)}"
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            row = cursor.fetchone()
+    except DatabaseError as exc:
+        if getattr(exc.__cause__, "sqlstate", None) == HALF_DONE_SQLSTATE:
+            raise HalfDone(str(exc.__cause__)) from None
+        raise
+    order_id, item_stock = row[0], row[1]
+    if order_id is None:
+        return None
+    order = Order(
+        id=order_id,
+        item=item,
+        sale_id=item.current_sale_id,
+        buyer=buyer,
+        qty=qty,
+        status=OrderStatus.PENDING,
+        idempotency_key=params["key"],
+        served_by=served_by,
+        fallback=fallback,
+        shard_units={str(index): units for index, units in shards} or None,
+        created_at=params["now"],
+        updated_at=params["now"],
+    )
+    order._state.adding = False
+    order._state.db = connection.alias
+    levels = {int(index): units for index, units in (row[2] or {}).items()} if shards else {}
+    return Sold(order=order, item_stock=item_stock, shard_levels=levels)
+
+
+_ITEM = Item._meta.db_table
+_SHARD = StockShard._meta.db_table
+_ORDER = Order._meta.db_table
+_ALLOWANCE = BuyerAllowance._meta.db_table
 
 
 def return_units(order: Order) -> None:
     """Put a failed or expired order's units back on its item, its shards and its buyer's
     allowance. Call once, in the transaction that moves the order to failed or expired."""
-    Item.objects.filter(pk=order.item_id).update(
-        stock=F("stock") + order.qty, version=F("version") + 1
-    )
     for index, units in sorted((int(i), u) for i, u in (order.shard_units or {}).items()):
         StockShard.objects.filter(item_id=order.item_id, index=index).update(
             stock=F("stock") + units, version=F("version") + 1
         )
+    Item.objects.filter(pk=order.item_id).update(
+        stock=F("stock") + order.qty, version=F("version") + 1
+    )
     BuyerAllowance.objects.filter(item_id=order.item_id, buyer=order.buyer).update(
         units=F("units") - order.qty
     )
@@ -118,8 +225,12 @@ def set_shard_stock(item_id: int, index: int, units: int) -> None:
     )
 
 
-def shard_stocks(item_id: int) -> dict[int, int]:
-    return dict(StockShard.objects.filter(item_id=item_id).values_list("index", "stock"))
+def shard_stocks(item_id: int, *, for_update: bool = False) -> dict[int, int]:
+    """Units on each of the item's shards; `for_update` locks them, in index order."""
+    shards = StockShard.objects.filter(item_id=item_id).order_by("index")
+    if for_update:
+        shards = shards.select_for_update()
+    return dict(shards.values_list("index", "stock"))
 
 
 def split_stock(total: int, shard_count: int) -> list[int]:

@@ -27,6 +27,20 @@ def process_order_task(order_pk: int) -> str | None:
     return orders.process_order(order_pk=order_pk)
 
 
+@shared_task(
+    acks_late=True,
+    reject_on_worker_lost=True,
+    autoretry_for=TRANSIENT_ERRORS,
+    retry_backoff=1,
+    max_retries=20,
+)
+def dispatch_orders_task(order_pks: list[int]) -> int:
+    """Enqueue each order's own task (checkout publishes its orders in batches)."""
+    for order_pk in order_pks:
+        process_order_task.apply_async((order_pk,))
+    return len(order_pks)
+
+
 @shared_task
 def sweep_orders_task() -> dict[str, int]:
     report = orders.sweep_orders()

@@ -165,6 +165,11 @@ FLASHSALE_BROKER_PROBE_SECONDS = env.float("FLASHSALE_BROKER_PROBE_SECONDS", def
 # Simulated payment: how long it takes and how often it is declined (0.0 to 1.0).
 FLASHSALE_PAYMENT_LATENCY_MS = env.int("FLASHSALE_PAYMENT_LATENCY_MS", default=50)
 FLASHSALE_PAYMENT_FAILURE_RATE = env.float("FLASHSALE_PAYMENT_FAILURE_RATE", default=0.0)
+# Checkout hands its orders to a background publisher, which sends them to the broker as one
+# message per this many milliseconds (at most FLASHSALE_PUBLISH_BATCH orders each); a worker
+# splits it into one task per order. 0 publishes every order from the request itself.
+FLASHSALE_PUBLISH_INTERVAL_MS = env.int("FLASHSALE_PUBLISH_INTERVAL_MS", default=100)
+FLASHSALE_PUBLISH_BATCH = env.int("FLASHSALE_PUBLISH_BATCH", default=200)
 # Orders still pending after this many seconds are expired and give their units back.
 FLASHSALE_ORDER_HOLD_SECONDS = env.int("FLASHSALE_ORDER_HOLD_SECONDS", default=900)
 # Orders still pending (or paid, unconfirmed) after this many seconds are enqueued again.

@@ -8,35 +8,45 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from ..models import Item, Order
+from ..stock import Sold
 
 
 @dataclass(frozen=True)
 class Allocation:
-    """Where a checkout's units came from, handed to the order recorder."""
+    """What a checkout takes and where from, handed to the order recorder.
+
+    The recorder writes it in one statement (`inventory.stock.sell`): the guarded decrement of
+    the item row (also of the shards in `shard_units`, and only at `expected_version` when
+    given), the buyer's allowance and the order row.
+    """
 
     strategy: str
     shard_units: dict[int, int] | None = None
     fallback: bool = False
+    expected_version: int | None = None
+    #: Write this absolute stock instead of a guarded decrement (the `unsafe` lost update).
+    set_stock: int | None = None
 
     def as_fallback(self) -> Allocation:
         return replace(self, fallback=True)
 
 
-#: Writes the order row (and anything else the checkout records) for an allocation. Strategies
-#: call it inside the same database transaction as their stock decrement.
-RecordOrder = Callable[[Allocation], Order]
+#: Takes the allocation's units and writes the order row (and anything else the checkout
+#: records) all at once: the committed sale, or None when a guard refused and nothing changed.
+#: Raises `inventory.stock.HalfDone` when a multi-row allocation was refused part way (nothing
+#: changed either).
+RecordOrder = Callable[[Allocation], Sold | None]
 
 
 class StockStrategy(ABC):
     """Decides who gets a unit of an item, and keeps whatever it keeps in Redis true.
 
     Contract of `take`:
-    - it either takes exactly qty units off the item in the database and calls
-      `record(allocation)` in the same transaction, returning the order after commit; or it takes
-      nothing and raises;
-    - its final database write is guarded (version check or `stock >= qty`), so no interleaving,
+    - it either has `record(allocation)` take exactly qty units off the item in the database and
+      write the order, returning that order once committed; or it takes nothing and raises;
+    - the write is guarded (`stock >= qty`, a version check, shard guards), so no interleaving,
       expired lock or stale Redis counter makes it sell a unit the database does not hold;
-      only `unsafe` breaks this, on purpose;
+      only `unsafe` (and the lock's pitfall toggle) asks for an unguarded write, on purpose;
     - `SoldOut` when fewer than qty units are left, `Busy` when contention outlasted the wait;
     - a Redis connection or timeout error escapes only while nothing is committed, so that a
       fallback may serve the same checkout; after commit Redis failures are absorbed;

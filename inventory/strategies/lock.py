@@ -1,4 +1,4 @@
-"""`lock`: one Redis lock per item around a version-checked database update."""
+"""`lock`: one Redis lock per item around a guarded database update."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import uuid
 from contextvars import ContextVar
 
 from django.conf import settings
-from django.db import transaction
 
 from locking import Lock, LockError, LockNotOwnedError
 
@@ -17,19 +16,10 @@ from ..breaker import breaker
 from ..exceptions import Busy, SoldOut
 from ..models import Item, Order
 from ..redis_client import REDIS_DOWN_ERRORS, get_redis_client, redis_key
-from ..stock import (
-    RowLockTimeout,
-    back_off,
-    lock_stock_row,
-    read_stock,
-    simulate_work,
-    take_item_units,
-)
+from ..stock import Sold, read_stock, simulate_work
 from .base import Allocation, RecordOrder, StockStrategy
 
 logger = logging.getLogger(__name__)
-
-_CONFLICT_RETRIES = 10
 
 
 def new_lock(name: str) -> Lock:
@@ -112,14 +102,20 @@ def release_unsettled_locks() -> None:
 
 
 class LockStrategy(StockStrategy):
+    """One Redis lock per item; under it, the guarded write of the sale.
+
+    The lock makes contention cheap: buyers queue in Redis, not on the item row. The write
+    under it is still guarded (`stock >= qty`), so a holder whose lock expired mid-work, or the
+    database fallback writing from outside the lock while Redis recovers, cannot oversell.
+    """
+
     name = "lock"
     uses_redis = True
 
     def take(self, *, item: Item, qty: int, buyer: str, record: RecordOrder) -> Order:
-        # A plain read, no decision: it spares the lock once the item is gone.
-        seen = read_stock(item.pk)
-        if seen.stock < qty:
-            raise SoldOut(sku=item.sku, requested=qty, remaining=seen.stock)
+        # The stock read with the item, no decision: it spares the lock once the item is gone.
+        if item.stock < qty:
+            raise SoldOut(sku=item.sku, requested=qty, remaining=item.stock)
         lock = new_lock(redis_key("lock", "item", item.sku))
         if not acquire_lock(lock):
             raise Busy(
@@ -127,45 +123,26 @@ class LockStrategy(StockStrategy):
                 retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
             )
         try:
-            # Under the lock a version conflict means a write from outside it: the database
-            # fallback of another process while Redis recovers, or a holder whose lock expired.
-            for attempt in range(_CONFLICT_RETRIES):
-                order = self._take_locked(item, qty, record, lock)
-                if order is not None:
-                    return order
-                back_off(attempt)
-            # Still losing: queue for the row lock rather than race on.
-            return self._take_locked(item, qty, record, lock, queued=True)
-        except RowLockTimeout:
-            raise Busy(
-                f"{item.sku}: the item row stayed locked by writers outside the lock",
-                retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
-            ) from None
+            if settings.FLASHSALE_LOCK_GUARDED_WRITE:
+                simulate_work()
+                ensure_still_held(lock, item.sku)
+                sold = record(Allocation(strategy=self.name))
+            else:
+                sold = self._take_unguarded(item, qty, record, lock)
         finally:
             release_quietly(lock)
+        if sold is None:
+            raise SoldOut(sku=item.sku, requested=qty, remaining=read_stock(item.pk).stock)
+        return sold.order
 
-    def _take_locked(
-        self, item: Item, qty: int, record: RecordOrder, lock: Lock, *, queued: bool = False
-    ) -> Order | None:
-        """One read-check-write under the lock; None when the version moved meanwhile.
+    def _take_unguarded(self, item: Item, qty: int, record: RecordOrder, lock: Lock) -> Sold:
+        """Pitfall toggle: trust the lock and write back what was read, as naive code does.
 
-        `queued` reads holding the item's row lock, so the version cannot move.
+        Once a lock expires mid-work, two holders overlap and it oversells.
         """
-        with transaction.atomic():
-            seen = lock_stock_row(item.pk) if queued else read_stock(item.pk)
-            if seen.stock < qty:
-                raise SoldOut(sku=item.sku, requested=qty, remaining=seen.stock)
-            simulate_work()
-            if settings.FLASHSALE_LOCK_GUARDED_WRITE:
-                # The version check makes a lock that expired mid-work harmless.
-                if not take_item_units(item.pk, qty, expected_version=seen.version):
-                    return None
-            else:
-                # Pitfall toggle: trust the lock and write back what was read, as naive code
-                # does. Once a lock expires mid-work, two holders overlap and it oversells.
-                Item.objects.filter(pk=item.pk).update(
-                    stock=seen.stock - qty, version=seen.version + 1
-                )
-            order = record(Allocation(strategy=self.name))
-            ensure_still_held(lock, item.sku)
-        return order
+        seen = read_stock(item.pk)
+        if seen.stock < qty:
+            raise SoldOut(sku=item.sku, requested=qty, remaining=seen.stock)
+        simulate_work()
+        ensure_still_held(lock, item.sku)
+        return record(Allocation(strategy=self.name, set_stock=seen.stock - qty))

@@ -10,22 +10,16 @@ from __future__ import annotations
 
 import logging
 
-from django.db import transaction
-
 from locking import StockCounter
 
 from ..breaker import breaker
 from ..exceptions import Busy, SoldOut
 from ..models import Item, Order
 from ..redis_client import REDIS_DOWN_ERRORS, get_redis_client, redis_key
-from ..stock import read_stock, simulate_work, take_item_units
+from ..stock import read_stock, simulate_work
 from .base import Allocation, RecordOrder, StockStrategy
 
 logger = logging.getLogger(__name__)
-
-
-class _Refused(Exception):
-    """The guarded database write found fewer units than Redis granted."""
 
 
 def stock_key(item: Item) -> str:
@@ -59,17 +53,16 @@ class LuaStrategy(StockStrategy):
         if left == StockCounter.INSUFFICIENT:
             raise SoldOut(sku=item.sku, requested=qty)
         try:
-            with transaction.atomic():
-                simulate_work()
-                if not take_item_units(item.pk, qty):
-                    raise _Refused
-                return record(Allocation(strategy=self.name))
-        except _Refused:
-            self._resync(counter, key, item)
-            raise SoldOut(sku=item.sku, requested=qty) from None
+            simulate_work()
+            sold = record(Allocation(strategy=self.name))
         except BaseException:
             self._give_back(counter, key, qty)
             raise
+        if sold is None:
+            # The database holds fewer units than Redis granted: the counter was too high.
+            self._resync(counter, key, item)
+            raise SoldOut(sku=item.sku, requested=qty)
+        return sold.order
 
     def _resync(self, counter: StockCounter, key: str, item: Item) -> None:
         try:

@@ -21,7 +21,6 @@ import random
 import time
 
 from django.conf import settings
-from django.db import transaction
 
 from locking import Lock, StockCounter
 
@@ -29,17 +28,12 @@ from ..breaker import breaker
 from ..exceptions import Busy, SoldOut
 from ..models import Item, Order
 from ..redis_client import REDIS_DOWN_ERRORS, get_redis_client, redis_key
-from ..stock import shard_stocks, simulate_work, take_item_units, take_shard_units
+from ..stock import HalfDone, shard_stocks, simulate_work
 from .base import Allocation, RecordOrder, StockStrategy
 from .lock import acquire_lock, ensure_still_held, new_lock, release_quietly
 from .lua import returned_marker
 
 logger = logging.getLogger(__name__)
-
-
-class _ShardShort(Exception):
-    def __init__(self, index: int) -> None:
-        self.index = index
 
 
 def shard_key(item: Item, index: int) -> str:
@@ -145,29 +139,22 @@ class SegmentedStrategy(StockStrategy):
     def _serve(
         self, item: Item, qty: int, record: RecordOrder, plan: dict[int, int], locks: list[Lock]
     ) -> Order | None:
-        """Take the planned units in one transaction; None if a shard was short (hint fixed)."""
+        """Take the planned units in one statement; None if a shard was short (hints fixed)."""
+        simulate_work()
+        for lock in locks:
+            ensure_still_held(lock, item.sku)
         try:
-            with transaction.atomic():
-                simulate_work()
-                if not take_item_units(item.pk, qty):
-                    raise SoldOut(sku=item.sku, requested=qty)
-                levels = {}
-                for index, units in sorted(plan.items()):
-                    left = take_shard_units(item.pk, index, units)
-                    if left is None:
-                        raise _ShardShort(index)
-                    levels[index] = left
-                order = record(Allocation(strategy=self.name, shard_units=plan))
-                for lock in locks:
-                    ensure_still_held(lock, item.sku)
-        except _ShardShort as short:
-            self._write_hints_quietly(item, {short.index: shard_stocks(item.pk)[short.index]})
+            sold = record(Allocation(strategy=self.name, shard_units=plan))
+        except HalfDone:
+            sold = None
+        if sold is None:
+            levels = shard_stocks(item.pk)
+            self._write_hints_quietly(item, levels)
+            if sum(levels.values()) < qty:
+                raise SoldOut(sku=item.sku, requested=qty, remaining=sum(levels.values()))
             return None
-        except SoldOut:
-            self._write_hints_quietly(item, shard_stocks(item.pk))
-            raise
-        self._write_hints_quietly(item, levels)
-        return order
+        self._write_hints_quietly(item, sold.shard_levels)
+        return sold.order
 
     def _write_hints(self, item: Item, levels: dict[int, int]) -> list[int]:
         client = get_redis_client()
