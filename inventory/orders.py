@@ -75,7 +75,9 @@ class OrderPublisher:
     which is the outbox, and the sweeper enqueues it again.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, background: bool = True) -> None:
+        #: False: no thread; whoever adds orders calls `flush`.
+        self.background = background
         self._lock = threading.Lock()
         self._pending: list[int] = []
         self._wake = threading.Event()
@@ -83,7 +85,8 @@ class OrderPublisher:
 
     def add(self, order_pk: int) -> None:
         with self._lock:
-            if self._pid != os.getpid():  # first use in this process (or a forked child)
+            if self.background and self._pid != os.getpid():
+                # First use in this process, or in a forked child, which has no thread.
                 self._pid = os.getpid()
                 self._pending = []
                 self._wake = threading.Event()

@@ -1,8 +1,8 @@
 """Benchmark without HTTP: every strategy driven directly by buyer processes on one hot item.
 
     python -m loadtest.bench_strategies [--buyers 8] [--stock 2000] [--duration 10]
-        [--strategies lock,segmented,lua,optimistic,unsafe] [--hold-ms 0] [--rounds 1]
-        [--peers redis-py,redis-py-5ms,python-redis-lock,python-redis-lock-renewal]
+        [--strategies lock,segmented,lua,optimistic,unsafe] [--hold-ms 0] [--work-ms 5]
+        [--rounds 1] [--peers redis-py,redis-py-5ms,python-redis-lock,python-redis-lock-renewal]
         [--ceiling-stock 50000] [--profile] [--json PATH]
 
 Needs DATABASE_URL and REDIS_URL (or run it through `python -m shop.devservices --`).
@@ -13,18 +13,22 @@ and buy one unit at a time through `inventory.services.place_order` until it ans
 sale. Contenders, all in one run so that every figure has its baseline measured beside it:
 
 - the strategies themselves;
+- `lock` and `segmented` again with --work-ms of simulated work inside each critical section
+  (a call to another service, say), where the lock rather than the CPU limits `lock`: the case
+  that shards are for;
 - peers: redis-py's `redis.lock.Lock` and python-redis-lock's `redis_lock.Lock` running the very
-  code of the `lock` strategy (`LockStrategy.take`: its pre-check, its transaction with the
-  version-checked UPDATE and the order INSERT, its release), with only the lock object swapped:
-  the buyer processes replace `inventory.strategies.lock.new_lock`, so nothing but the lock
-  differs. Same TTL and wait as ours (FLASHSALE_LOCK_TTL_MS / FLASHSALE_LOCK_WAIT_MS);
-  redis-py with its default poll `sleep` of 0.1 s and with 0.005 s; python-redis-lock without
-  and with `auto_renewal` (the counterpart of our watchdog, which `lock` runs with);
+  code of the `lock` strategy (`LockStrategy.take`: its pre-check, the guarded sale statement,
+  its release), with only the lock object swapped: the buyer processes replace
+  `inventory.strategies.lock.new_lock`, so nothing but the lock differs. Same TTL and wait as
+  ours (FLASHSALE_LOCK_TTL_MS / FLASHSALE_LOCK_WAIT_MS); redis-py with its default poll `sleep`
+  of 0.1 s and with 0.005 s; python-redis-lock without and with `auto_renewal` (the
+  counterpart of our watchdog, which `lock` runs with);
 - ceilings: `EVALSHA` of the check-and-DECRBY script of `locking.StockCounter.take` in a loop
-  (Redis alone, no database: what `lua` would reach if Redis were its only cost), and the hot
-  row: one guarded UPDATE of the item row plus one order INSERT per transaction, through the
-  same `inventory.stock` helper and ORM insert as the strategies, no Redis and no lock (the
-  most that any design writing the item row per sale can reach).
+  (Redis alone, no database: what `lua` would reach if Redis were its only cost); that EVALSHA
+  followed by the sale statement of `inventory.stock.sell` (the least a `lua` checkout can do
+  while committing its order row before it answers); and the hot row: the sale statement alone,
+  no Redis, no lock, no service code (the most any design that writes the item row per sale can
+  reach).
 
 After each contender the sale is audited (`inventory.selectors.audit_sale`). The run exits 1 if
 any contender that should be safe (all but `unsafe`) oversold, is inconsistent or crashed, and 0
@@ -58,6 +62,7 @@ import django
 STRATEGIES = ["lock", "segmented", "lua", "optimistic", "unsafe"]
 SAFE_EXCEPTIONS = {"unsafe"}
 EVALSHA = "raw EVALSHA"
+EVALSHA_SELL = "EVALSHA + sale (SQL)"
 HOT_ROW = "hot row (SQL)"
 
 
@@ -87,12 +92,23 @@ PEERS = {
     ]
 }
 
-#: (what, at least, is the ratio of what over which, ...) for the printed targets.
+#: (what, versus what, at least this ratio) for the printed targets.
 TARGETS = [
     ("lock", "the faster peer lock", 1.2),
     ("segmented", "lock", 3.0),
     ("lua", "raw EVALSHA", 0.5),
 ]
+
+#: (what, versus what): the bounds printed under the targets, for what the machine allows.
+BOUNDS = [
+    ("hot row (SQL)", "lock"),
+    ("EVALSHA + sale (SQL)", "raw EVALSHA"),
+]
+
+
+def with_work(name: str, work_ms: int) -> str:
+    """The row label of a strategy run with work_ms of simulated work in its critical section."""
+    return f"{name} +{work_ms} ms work"
 
 
 @dataclass
@@ -102,6 +118,8 @@ class Contender:
     sku: str
     safe: bool = True
     peer: Peer | None = None
+    strategy: str | None = None  # for kind "strategy": the strategy it runs
+    hold_ms: int | None = None  # simulated work in the critical section; None: --hold-ms
 
 
 @dataclass
@@ -198,6 +216,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="simulated work inside each critical section, ms (FLASHSALE_HOLD_DELAY_MS; 0)",
     )
     parser.add_argument(
+        "--work-ms",
+        type=int,
+        default=5,
+        help="also run lock and segmented with this much simulated work in each critical "
+        "section (a call to another service, say): there the lock, not the CPU, limits `lock`, "
+        "which is what shards are for (5; 0 skips them)",
+    )
+    parser.add_argument(
         "--peers",
         nargs="*",
         default=list(PEERS),
@@ -231,6 +257,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"unknown peers: {', '.join(unknown)}; choose from {', '.join(PEERS)}")
     if args.hold_ms < 0:
         parser.error("--hold-ms must be 0 or more")
+    if args.work_ms < 0:
+        parser.error("--work-ms must be 0 or more")
     return args
 
 
@@ -356,19 +384,15 @@ class _Probe:
     - lock wait / lock held: from asking for the Redis lock (item lock, shard lock, or a peer's
       lock: whatever `inventory.strategies.lock.acquire_lock` is handed) to getting it, and
       from getting it to its release;
-    - update item: the UPDATE of the item row, which waits for the row lock while another
-      transaction holds it;
-    - row held: from the end of that UPDATE (the row lock is ours) to the end of the commit or
-      rollback, when PostgreSQL lets the next writer of the row in;
-    - commit: the COMMIT itself (WAL flush);
-    - publish: the order task sent to the broker after commit.
+    - sale write: the one statement of `inventory.stock.sell` (guarded decrements, order row,
+      commit), which waits for the item row while another sale holds it;
+    - publish: handing the order to the order publisher after commit.
 
     Wrappers only: the strategies' code runs unchanged.
     """
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
-        self._row_since: float | None = None
 
     def add(self, phase: str, seconds: float) -> None:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
@@ -383,9 +407,7 @@ class _Probe:
         connection.ensure_connection()
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(connection.execute_wrapper(self._execute))
-        connection.commit = self._timed_end(connection.commit, "commit")
-        connection.rollback = self._timed_end(connection.rollback, "rollback")
-        services.enqueue_order = self._timed(services.enqueue_order, "publish")
+        services.order_placed = self._timed(services.order_placed, "publish")
         acquire = self._timed_acquire(lock_strategy.acquire_lock)
         release = self._timed_release(lock_strategy.release_quietly)
         for module in (lock_strategy, segmented_strategy):
@@ -398,25 +420,8 @@ class _Probe:
         try:
             return execute(sql, *args)
         finally:
-            if sql.lstrip().upper().startswith(_ITEM_UPDATE):
-                ended = time.perf_counter()
-                self.add("update item", ended - started)
-                if self._row_since is None:
-                    self._row_since = ended
-
-    def _timed_end(self, function: Callable[[], None], phase: str) -> Callable[[], None]:
-        def timed() -> None:
-            started = time.perf_counter()
-            try:
-                function()
-            finally:
-                ended = time.perf_counter()
-                self.add(phase, ended - started)
-                if self._row_since is not None:
-                    self.add("row held", ended - self._row_since)
-                    self._row_since = None
-
-        return timed
+            if sql.startswith(_SALE_WRITE):
+                self.add("sale write", time.perf_counter() - started)
 
     def _timed(self, function: Callable[..., Any], phase: str) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -455,15 +460,14 @@ class _Probe:
         return timed
 
 
-_ITEM_UPDATE = 'UPDATE "INVENTORY_ITEM"'
+#: How the statement of `inventory.stock.sell` starts (and no other statement of a checkout).
+_SALE_WRITE = "WITH "
 
 #: The --profile columns: (phase, heading).
 PROFILE_PHASES = [
     ("lock wait", "lock wait"),
     ("lock held", "lock held"),
-    ("update item", "upd item"),
-    ("row held", "row held"),
-    ("commit", "commit"),
+    ("sale write", "sale write"),
     ("publish", "publish"),
 ]
 
@@ -496,29 +500,45 @@ def _buy_through_place_order(sku: str, label: str, worker: int) -> Callable[[], 
     return buy
 
 
-def _buy_from_hot_row(sku: str, label: str, worker: int) -> Callable[[], bool]:
-    """The hot-row ceiling: guarded UPDATE of the item row and the order INSERT, committed."""
-    from django.db import transaction
-
-    from inventory.models import Item, Order
-    from inventory.stock import simulate_work, take_item_units
+def _sell_directly(sku: str, label: str, worker: int, served_by: str) -> Callable[[], bool]:
+    """One sale statement of `inventory.stock.sell` (guarded UPDATE of the item row, order
+    INSERT, commit), called directly: no service, no Redis, no lock."""
+    from inventory.models import Item
+    from inventory.stock import sell, simulate_work
 
     item = Item.objects.get(sku=sku)
     serial = iter(range(10**9))
 
     def buy() -> bool:
-        with transaction.atomic():
-            simulate_work()
-            if not take_item_units(item.pk, 1):
-                return False
-            Order.objects.create(
-                item_id=item.pk,
-                sale_id=item.current_sale_id,
-                buyer=f"{label}-{worker}-{next(serial)}",
-                qty=1,
-                served_by="optimistic",
-            )
-        return True
+        simulate_work()
+        sold = sell(item=item, qty=1, buyer=f"{label}-{worker}-{next(serial)}", served_by=served_by)
+        return sold is not None
+
+    return buy
+
+
+def _buy_from_hot_row(sku: str, label: str, worker: int) -> Callable[[], bool]:
+    """The hot-row ceiling: the sale statement alone."""
+    return _sell_directly(sku, label, worker, "optimistic")
+
+
+def _buy_by_evalsha_and_sell(sku: str, label: str, worker: int) -> Callable[[], bool]:
+    """The durable floor of `lua`: its EVALSHA, then the sale statement, and nothing else."""
+    from inventory.models import Item
+    from inventory.redis_client import get_redis_client
+    from inventory.strategies.lua import stock_key
+    from locking import scripts
+
+    client = get_redis_client()
+    sha = client.script_load(scripts.STOCK_TAKE)
+    key = stock_key(Item.objects.get(sku=sku))
+    sell = _sell_directly(sku, label, worker, "lua")
+
+    def buy() -> bool:
+        left = int(client.evalsha(sha, 1, key, 1))
+        if left == -2:
+            raise RuntimeError(f"counter {key} is missing")
+        return left >= 0 and sell()
 
     return buy
 
@@ -558,6 +578,10 @@ def _buyer(
         from inventory.redis_client import get_redis_client
 
         get_redis_client().ping()
+        if contender.hold_ms is not None:
+            from django.conf import settings
+
+            settings.FLASHSALE_HOLD_DELAY_MS = contender.hold_ms
         if contender.kind == "peer":
             import inventory.strategies.lock as lock_strategy
 
@@ -568,6 +592,8 @@ def _buyer(
             backend_pid = _backend_pid()
             if contender.name == HOT_ROW:
                 buy = _buy_from_hot_row(contender.sku, contender.sku, worker)
+            elif contender.name == EVALSHA_SELL:
+                buy = _buy_by_evalsha_and_sell(contender.sku, contender.sku, worker)
             else:
                 buy = _buy_through_place_order(contender.sku, contender.sku, worker)
             if probe is not None:
@@ -618,8 +644,10 @@ def _prepare(contender: Contender, stock: int, ceiling_stock: int) -> None:
         get_redis_client().set(contender.sku, ceiling_stock)
     elif contender.name == HOT_ROW:
         start_sale(sku=contender.sku, stock=stock, strategy="optimistic", name="Bench hot row")
+    elif contender.name == EVALSHA_SELL:
+        start_sale(sku=contender.sku, stock=stock, strategy="lua", name="Bench EVALSHA + sale")
     else:
-        strategy = contender.name if contender.kind == "strategy" else "lock"
+        strategy = contender.strategy if contender.kind == "strategy" else "lock"
         start_sale(sku=contender.sku, stock=stock, strategy=strategy, name=f"Bench {strategy}")
 
 
@@ -758,14 +786,29 @@ def _lock_wait_seconds() -> float:
 
 def contenders_for(args: argparse.Namespace) -> list[Contender]:
     contenders = [
-        Contender(name, "strategy", f"bench-{name}", safe=name not in SAFE_EXCEPTIONS)
+        Contender(
+            name, "strategy", f"bench-{name}", safe=name not in SAFE_EXCEPTIONS, strategy=name
+        )
         for name in args.strategies
     ]
+    if args.work_ms:
+        contenders += [
+            Contender(
+                with_work(name, args.work_ms),
+                "strategy",
+                f"bench-{name}-work",
+                strategy=name,
+                hold_ms=args.work_ms,
+            )
+            for name in ("lock", "segmented")
+            if name in args.strategies
+        ]
     contenders += [
         Contender(PEERS[name].label, "peer", f"bench-peer-{name}", peer=PEERS[name])
         for name in args.peers
     ]
     contenders.append(Contender(EVALSHA, "ceiling", ""))
+    contenders.append(Contender(EVALSHA_SELL, "ceiling", "bench-ceiling-evalsha-sale"))
     contenders.append(Contender(HOT_ROW, "ceiling", "bench-ceiling-hot-row"))
     return contenders
 
@@ -776,32 +819,36 @@ def _median_row(results: list[Result]) -> Result:
     return ranked[(len(ranked) - 1) // 2]
 
 
-def ratios(rows: dict[str, Result]) -> list[dict[str, Any]]:
+def ratios(rows: dict[str, Result], work_ms: int = 0) -> list[dict[str, Any]]:
+    """The targets (with `segmented` vs `lock` also under --work-ms), then the bounds."""
     peers = [row for row in rows.values() if row.kind == "peer"]
     fastest_peer = max(peers, key=lambda row: row.buys_per_second, default=None)
-    baselines = {
-        "the faster peer lock": fastest_peer,
-        "lock": rows.get("lock"),
-        "raw EVALSHA": rows.get(EVALSHA),
-    }
-    checks = []
-    for name, baseline_name, target in TARGETS:
-        row, baseline = rows.get(name), baselines[baseline_name]
-        if row is None or baseline is None or not baseline.buys_per_second:
-            checks.append({"what": name, "versus": baseline_name, "target": target})
-            continue
-        ratio = row.buys_per_second / baseline.buys_per_second
-        checks.append(
-            {
-                "what": name,
-                "versus": baseline.contender
-                if baseline_name == "the faster peer lock"
-                else baseline_name,
-                "ratio": ratio,
-                "target": target,
-                "met": ratio >= target,
-            }
+
+    def baseline(versus: str) -> Result | None:
+        return fastest_peer if versus == "the faster peer lock" else rows.get(versus)
+
+    pairs = [(name, baseline(versus), versus, target) for name, versus, target in TARGETS]
+    if work_ms:
+        pairs.insert(
+            2,
+            (
+                with_work("segmented", work_ms),
+                rows.get(with_work("lock", work_ms)),
+                with_work("lock", work_ms),
+                3.0,
+            ),
         )
+    pairs += [(name, rows.get(versus), versus, None) for name, versus in BOUNDS]
+    checks = []
+    for name, versus_row, versus, target in pairs:
+        row = rows.get(name)
+        check: dict[str, Any] = {"what": name, "versus": versus, "target": target}
+        if row is not None and versus_row is not None and versus_row.buys_per_second:
+            check["versus"] = versus_row.contender
+            check["ratio"] = row.buys_per_second / versus_row.buys_per_second
+            if target is not None:
+                check["met"] = check["ratio"] >= target
+        checks.append(check)
     return checks
 
 
@@ -859,22 +906,29 @@ def print_profile(rows: list[Result]) -> None:
         )
     print(
         "checkout: buyer time per unit sold (buyers x seconds / units). A phase close to 'serial' "
-        "is where checkouts queue: the lock held, or the item row held from its UPDATE to the "
-        "end of the commit."
+        "is where checkouts queue: the lock held, or the sale write (the item row is locked "
+        "from its UPDATE to the commit that ends the statement)."
     )
 
 
 def print_ratios(checks: list[dict[str, Any]]) -> None:
     print("\ntargets:")
+    bounds = False
     for check in checks:
+        if check["target"] is None and not bounds:
+            bounds = True
+            print(
+                "bounds (what this machine allows: the sale statement alone, with no lock, "
+                "and lua's least possible work, its EVALSHA plus the sale statement):"
+            )
         if "ratio" not in check:
             print(f"  {check['what']} vs {check['versus']}: not measured in this run")
             continue
-        verdict = "met" if check["met"] else "MISSED"
-        print(
-            f"  {check['what']:<10} vs {check['versus']:<27} {check['ratio']:>6.2f}x  "
-            f"(target >= {check['target']:.1f}x): {verdict}"
-        )
+        line = f"  {check['what']:<24} vs {check['versus']:<27} {check['ratio']:>6.2f}x"
+        if check["target"] is not None:
+            verdict = "met" if check["met"] else "MISSED"
+            line += f"  (target >= {check['target']:.1f}x): {verdict}"
+        print(line)
 
 
 def _check_database() -> str | None:
@@ -980,7 +1034,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         print_profile(rows)
     by_name = {row.contender: row for row in rows}
-    checks = ratios(by_name)
+    checks = ratios(by_name, args.work_ms)
     print_ratios(checks)
     print(
         "\nbuys/s: units sold / seconds from the start barrier to the last sale. cpu py: the "
@@ -1003,6 +1057,7 @@ def main(argv: list[str] | None = None) -> int:
                         "stock": args.stock,
                         "duration": args.duration,
                         "hold_ms": args.hold_ms,
+                        "work_ms": args.work_ms,
                         "rounds": args.rounds,
                         "ceiling_stock": args.ceiling_stock,
                         "profile": args.profile,

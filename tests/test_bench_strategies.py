@@ -16,7 +16,17 @@ from tests.conftest import server_env
 pytestmark = pytest.mark.django_db(transaction=True)
 
 STOCK = 30
-SAFE = ["lock", "segmented", "lua", "optimistic", *(peer.label for peer in PEERS.values())]
+SAFE = [
+    "lock",
+    "segmented",
+    "lua",
+    "optimistic",
+    "lock +5 ms work",
+    "segmented +5 ms work",
+    *(peer.label for peer in PEERS.values()),
+    "EVALSHA + sale (SQL)",
+    "hot row (SQL)",
+]
 ROW = re.compile(
     r"^(?P<contender>\S.*?)\s{2,}(?P<rate>\d+)\s+(?P<sold>\d+)\s+(?P<busy>\d+)\s+"
     r"(?P<oversold>\d+)\s+(?P<remaining>\S+)\s+(?P<consistent>yes|NO)\s"
@@ -37,19 +47,22 @@ def test_a_tiny_run_prints_every_contender_and_no_safe_one_oversells(django_db_s
         command, cwd=ROOT, env=server_env(), capture_output=True, text=True, timeout=180
     )
 
-    # Then it exits 0 and prints one row per contender and the three targets
+    # Then it exits 0 and prints one row per contender, the four targets (segmented vs lock
+    # with and without work in the critical section) and the two bounds
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = {
         match["contender"]: match
         for match in map(ROW.match, result.stdout.splitlines())
         if match is not None
     }
-    expected = [*SAFE, "unsafe", "raw EVALSHA", "hot row (SQL)"]
+    expected = [*SAFE, "unsafe", "raw EVALSHA"]
     assert sorted(rows) == sorted(expected), result.stdout
     for name in SAFE:
         assert rows[name]["oversold"] == "0", rows[name].string
         assert rows[name]["consistent"] == "yes", rows[name].string
-    assert result.stdout.count("(target >= ") == 3, result.stdout
+    assert result.stdout.count("(target >= ") == 4, result.stdout
+    assert re.search(r"hot row \(SQL\)\s+vs lock\s+\d+\.\d\dx", result.stdout), result.stdout
+    assert re.search(r"EVALSHA \+ sale \(SQL\)\s+vs raw EVALSHA\s+\d", result.stdout), result.stdout
     # and every unit a buyer was sold is an order in the database
     results = {entry["contender"]: entry for entry in json.loads(report.read_text())["results"]}
     for name in SAFE:

@@ -1,0 +1,106 @@
+"""The sale statement and the order publisher, on real PostgreSQL, Redis and Celery messages."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+import inventory.services
+from inventory import orders, stock
+from inventory.models import BuyerAllowance, Item, Order, StockShard
+from inventory.redis_client import get_redis_client
+from inventory.services import place_order, start_sale
+from inventory.tasks import dispatch_orders_task
+from tests.conftest import TASK_QUEUE
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.embedded_smoke]
+
+
+def _rows(sku: str) -> tuple[int, dict[int, int], int, int]:
+    item = Item.objects.get(sku=sku)
+    shards = dict(StockShard.objects.filter(item=item).values_list("index", "stock"))
+    return item.stock, shards, Order.objects.filter(item=item).count(), item.version
+
+
+def test_a_write_refused_part_way_changes_nothing():
+    # Given a sharded item whose shard 1 is empty while shard 0 has units
+    start_sale(sku="split", stock=20, strategy="segmented")
+    item = Item.objects.get(sku="split")
+    StockShard.objects.filter(item=item, index=1).update(stock=0)
+    Item.objects.filter(pk=item.pk).update(stock=18)
+    before = _rows("split")
+
+    # When one statement asks for a unit from each (shard 0 passes its guard, shard 1 fails)
+    with pytest.raises(stock.HalfDone):
+        stock.sell(item=item, qty=2, buyer="b", served_by="optimistic", shard_units={0: 1, 1: 1})
+
+    # Then PostgreSQL undid shard 0's decrement too: nothing changed, no order
+    assert _rows("split") == before
+
+
+def test_a_stale_version_refuses_the_whole_sale():
+    start_sale(sku="stale", stock=5, strategy="optimistic", limit=2)
+    item = Item.objects.get(sku="stale")
+    before = _rows("stale")
+
+    refused = stock.sell(
+        item=item, qty=1, buyer="b", served_by="optimistic", limit=2, expected_version=999
+    )
+
+    assert refused is None
+    assert _rows("stale") == before
+    assert not BuyerAllowance.objects.filter(item=item).exists()
+
+
+def test_a_sale_writes_stock_allowance_and_order_at_once():
+    start_sale(sku="once", stock=5, strategy="lua", limit=3)
+    item = Item.objects.get(sku="once")
+
+    sold = stock.sell(item=item, qty=2, buyer="ann", served_by="lua", limit=3)
+
+    assert sold is not None and sold.item_stock == 3
+    order = Order.objects.get(pk=sold.order.pk)
+    assert (order.buyer, order.qty, order.served_by, order.status) == ("ann", 2, "lua", "pending")
+    assert BuyerAllowance.objects.get(item=item, buyer="ann").units == 2
+    assert Item.objects.get(pk=item.pk).stock == 3
+
+
+def _newest_message(client) -> dict:
+    envelope = json.loads(client.lindex(TASK_QUEUE, 0))
+    return {
+        "task": envelope["headers"]["task"],
+        "args": json.loads(base64.b64decode(envelope["body"]))[0],
+    }
+
+
+def test_forty_orders_go_to_the_broker_as_one_message_then_one_task_each(monkeypatch):
+    # Given forty committed orders handed to a publisher with no thread of its own
+    monkeypatch.setattr(inventory.services, "order_placed", lambda pk: None)
+    start_sale(sku="batch", stock=40, strategy="lua")
+    publisher = orders.OrderPublisher(background=False)
+    placed = [place_order(sku="batch", qty=1, buyer=f"b{n}").order.pk for n in range(40)]
+    for pk in placed:
+        publisher.add(pk)
+    client = get_redis_client()
+    queued = client.llen(TASK_QUEUE)
+
+    # When it flushes
+    sent = publisher.flush()
+
+    # Then one message carries all forty order keys
+    assert sent == 40
+    assert client.llen(TASK_QUEUE) == queued + 1
+    message = _newest_message(client)
+    assert message["task"] == "inventory.tasks.dispatch_orders_task"
+    assert message["args"] == [placed]
+    assert publisher.flush() == 0  # nothing twice
+
+    # and the dispatch task, run as a worker would, enqueues one order task per order
+    assert dispatch_orders_task.apply(args=(placed,)).get() == 40
+    assert client.llen(TASK_QUEUE) == queued + 1 + 40
+    assert _newest_message(client) == {
+        "task": "inventory.tasks.process_order_task",
+        "args": [placed[-1]],
+    }
