@@ -1,13 +1,17 @@
-"""A Redis lock with the API of :class:`redis.lock.Lock`, event-driven waiting and a watchdog.
+"""A Redis lock with the API of :class:`redis.lock.Lock`, FIFO handoff and a watchdog.
 
 Differences from redis-py's lock, all invisible to code written against redis-py:
 
-* Waiters do not poll. A failed ``SET NX`` is followed by ``BLPOP <name>:wake`` and the
-  release script pushes one element to that list, so the next owner is woken as soon as
-  the lock is freed. The wait is capped by the lock's remaining TTL, so a lock whose
-  holder died is taken as soon as it expires.
-* A ``SET`` that times out on the client may still run on the server; a ``GET`` then
-  decides whether the lock is ours.
+* Waiters do not poll, and a release hands the lock straight to the longest waiter.
+  A blocking ``acquire`` runs one script that takes the lock if it is free or else
+  appends the caller's token to the lock's FIFO queue, then blocks in ``BLPOP`` on a
+  wake key of its own. The release script does not delete the lock while a waiter is
+  queued: it sets the lock to the first waiter's token, with that waiter's TTL, and
+  pushes that waiter's wake. The woken waiter owns the lock without another round trip,
+  and no newcomer can take it in between. Each wait is capped by the lock's remaining
+  TTL, so a lock whose holder died is taken as soon as it expires.
+* A ``SET`` or a script that times out on the client may still run on the server; a
+  ``GET`` then decides whether the lock is ours.
 * An optional watchdog keeps the TTL short while the holder is alive and reports,
   through :attr:`Lock.lost` and ``on_lost``, when the lock slipped away. Its thread is
   started only once the lock has been held for one renewal interval (``timeout / 3``):
@@ -38,8 +42,15 @@ logger = logging.getLogger(__name__)
 Number = int | float
 
 #: Lifetime of a wake nobody consumed; long enough for a waiter that is between its
-#: failed SET and its BLPOP to still find it, short enough that nothing lingers.
+#: queueing script and its BLPOP to still find it, short enough that nothing lingers.
 WAKE_TTL_MS = 3000
+
+#: How long a queue entry outlives the wait slice its waiter is blocked for. A live waiter
+#: renews its entry after every slice, so this only needs to cover one round trip and some
+#: scheduling delay; past it, a release skips the entry (its waiter is dead, or so late that
+#: it will queue again, at the tail). It bounds how long after a waiter died a release can
+#: still hand the dead waiter the lock.
+QUEUE_GRACE_MS = 1000
 
 #: BLPOP treats 0 as "block forever"; every wait is clamped to at least this.
 MIN_WAIT = 0.001
@@ -77,20 +88,42 @@ class Lock:
 
     Contract:
 
-    * At most one token is stored under ``name`` at a time (``SET NX``), and only the
-      holder of that token can release, extend or reacquire the lock (Lua
-      compare-and-delete / compare-and-pexpire); anyone else gets
-      :class:`~redis.exceptions.LockNotOwnedError` and the key is left untouched.
+    * At most one token is stored under ``name`` at a time, and only the holder of that
+      token can release, extend or reacquire the lock (Lua compare-and-delete /
+      compare-and-pexpire); anyone else gets :class:`~redis.exceptions.LockNotOwnedError`
+      and the key is left untouched.
+    * A free lock is taken with ``SET NX``. A blocking ``acquire`` that finds it taken
+      queues its token in ``<name>:queue`` (FIFO; details in ``<name>:waiters``) and waits
+      on ``<name>:wake:<token>``. ``release`` hands the lock to the first queued waiter
+      that is still waiting (it sets the lock to that waiter's token, with that waiter's
+      ``timeout``), or deletes it when none is. Waiters therefore get the lock in the
+      order they queued. A newcomer only takes the lock when it is free, which with
+      waiters queued happens only after the lock expired: the queued waiters wake by then
+      and compete for it too, so nobody starves.
+    * A waiter that gives up (``blocking_timeout``) withdraws from the queue in one
+      script; if a release handed it the lock just before, it keeps the lock and
+      ``acquire`` returns True. A lock is never left to a waiter whose ``acquire``
+      returned False.
+    * A waiter that dies while queued may still be handed the lock, for up to
+      ``max_wait_slice`` + 1 s after its death (its queue entry is renewed by the living
+      waiter after every wait slice, and skipped once it is that stale). That lock then
+      expires after the dead waiter's ``timeout``, exactly like the lock of a holder that
+      crashed; without a ``timeout`` it never does.
+    * Tokens must be unique per acquisition (the default uuid4 tokens are): a queued
+      token is how a release finds its waiter.
     * ``timeout`` (seconds) is the lock's TTL. Without a watchdog the lock simply
       expires after it, even if the holder is still working: check :meth:`owned` or
       :meth:`ensure_held` before committing work. ``None`` means no TTL.
     * ``blocking``/``blocking_timeout`` behave as in redis-py: ``acquire`` returns False
-      once ``blocking_timeout`` seconds have passed (``None``: wait forever).
-    * ``sleep`` is accepted for compatibility only: waiting is event-driven (BLPOP on
-      ``<name>:wake``), so no poll interval delays an acquisition.
+      once ``blocking_timeout`` seconds have passed (``None``: wait forever). A
+      non-blocking ``acquire`` makes a single ``SET NX`` and never queues.
+    * ``sleep`` is accepted for compatibility only: waiting is event-driven (BLPOP on the
+      waiter's own wake key), so no poll interval delays an acquisition.
     * ``max_wait_slice`` bounds a single BLPOP, which bounds the delay when a wake is
       missed. Default: half the client's ``socket_timeout`` when it has one, so that a
       BLPOP never outlasts the socket timeout, else 1 s.
+    * The queue and the wake keys expire on their own (the queue shortly after its last
+      waiter's wait slice, a wake after a few seconds): nothing lingers after use.
     * ``watchdog=True`` (requires ``timeout``) renews the TTL every ``timeout / 3`` from
       a daemon thread while the lock is held. If a renewal finds the lock is not ours
       any more, or Redis fails, the watchdog stops, :attr:`lost` becomes True and
@@ -99,8 +132,13 @@ class Lock:
     * ``thread_local=True`` keeps the token (and the watchdog state) per thread, as in
       redis-py.
     * Redis failures (``ConnectionError``, ``TimeoutError``) propagate to the caller,
-      except a client-side timeout of the ``SET`` or of a ``BLPOP``, which are resolved
-      by reading the key / by trying again.
+      except a client-side timeout of the ``SET`` or of the queueing script (resolved by
+      reading the key), of the withdrawing script (run once more: it is idempotent) or of
+      a ``BLPOP`` (waited again). A waiter whose ``acquire`` raised may still be queued
+      until its entry goes stale; ``release()`` with its token withdraws it (and
+      releases the lock if it was handed over meanwhile).
+    * The scripts derive the wake key of the next owner from the lock name inside Lua:
+      they suit a single Redis, not a Redis Cluster.
     """
 
     def __init__(
@@ -135,10 +173,15 @@ class Lock:
         self.max_wait_slice = (
             float(max_wait_slice) if max_wait_slice is not None else _default_slice(redis)
         )
-        self.wake_name = f"{name}:wake"
+        self.queue_name = f"{name}:queue"
+        self.waiters_name = f"{name}:waiters"
+        # Built from the encoded name, as the release script builds it from KEYS[1].
+        self._wake_prefix = redis.get_encoder().encode(name) + b":wake:"
         self.local: Any = _ThreadState() if self.thread_local else SimpleNamespace()
         self.local.token = None
         self.local.lease = None
+        self._take_or_queue_script = scripts.script_for(redis, scripts.TAKE_OR_QUEUE)
+        self._cancel_script = scripts.script_for(redis, scripts.CANCEL)
         self._release_script = scripts.script_for(redis, scripts.RELEASE)
         self._extend_script = scripts.script_for(redis, scripts.EXTEND)
 
@@ -175,10 +218,11 @@ class Lock:
     ) -> bool:
         """Take the lock; return True once it is ours, False if we gave up.
 
-        Non-blocking: a single attempt. Blocking: wait for a release wake (or the
-        lock's expiry) and try again, until ``blocking_timeout`` seconds have passed.
-        ``token`` (str or bytes) replaces the random uuid4 owner token. ``sleep`` is
-        accepted for redis-py compatibility and has no effect.
+        Non-blocking: a single ``SET NX``. Blocking: take the lock if free, else queue
+        and wait until a release hands it over (or the lock expires, then try again),
+        until ``blocking_timeout`` seconds have passed. ``token`` (str or bytes) replaces
+        the random uuid4 owner token. ``sleep`` is accepted for redis-py compatibility
+        and has no effect.
         """
         del sleep  # waiting is driven by wakes, not by a poll interval
         if token is None:
@@ -189,30 +233,47 @@ class Lock:
             blocking = self.blocking
         if blocking_timeout is None:
             blocking_timeout = self.blocking_timeout
-        deadline = None if blocking_timeout is None else time.monotonic() + blocking_timeout
 
+        if not blocking:
+            acquired, _ = self._attempt(token_bytes)
+            if acquired:
+                self._took(token_bytes)
+            return acquired
+
+        deadline = None if blocking_timeout is None else time.monotonic() + blocking_timeout
+        # A queue entry is renewed after every wait slice; it stays valid a little longer.
+        entry_ms = int(self.max_wait_slice * 1000) + QUEUE_GRACE_MS
+        queued = False
         while True:
-            acquired, pttl = self._attempt(token_bytes)
+            valid_ms = entry_ms
+            if deadline is not None:
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                if left_ms <= 0:
+                    if queued:
+                        return self._give_up(token_bytes)
+                    valid_ms = 0  # out of time already: one attempt, never queued
+                else:
+                    valid_ms = min(entry_ms, left_ms)
+            acquired, pttl = self._take_or_queue(token_bytes, valid_ms)
             if acquired:
                 self._took(token_bytes)
                 return True
-            if not blocking:
+            if valid_ms == 0:
                 return False
+            queued = True
             if pttl == -2:
-                # The key vanished between our SET and our read: try again at once.
-                if deadline is not None and time.monotonic() >= deadline:
-                    return False
+                # The key vanished between our script and our read: try again at once.
                 continue
             wait = self.max_wait_slice
             if pttl >= 0:
                 # Never sleep past the holder's expiry: a dead holder's lock is free then.
                 wait = min(wait, pttl / 1000)
             if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                wait = min(wait, left)
-            self._wait_for_wake(wait)
+                wait = min(wait, deadline - time.monotonic())
+            if self._wait_for_handoff(token_bytes, wait):
+                # The release set the lock to our token before pushing our wake.
+                self._took(token_bytes)
+                return True
 
     def _attempt(self, token: bytes) -> tuple[bool, int]:
         """One ``SET NX PX``; return (acquired, PTTL of the lock when not acquired)."""
@@ -225,25 +286,67 @@ class Lock:
             pass
         # A failed SET is read back too: a client that retries commands after a
         # timeout can see its own earlier SET make the retried SET NX fail.
+        return self._read_back(token)
+
+    def _take_or_queue(self, token: bytes, valid_ms: int) -> tuple[bool, int]:
+        """Take the lock if free, else queue ``token`` for ``valid_ms`` (0: do not queue).
+
+        Returns (acquired, PTTL of the lock when not acquired).
+        """
+        try:
+            acquired, pttl = self._take_or_queue_script(
+                keys=[self.name, self.queue_name, self.waiters_name, self._wake_key(token)],
+                args=[token, self._ttl_ms() or 0, valid_ms],
+                client=self.redis,
+            )
+            return bool(acquired), int(pttl)
+        except RedisTimeoutError:
+            # As with the SET: the script may have run, or may still run. If it queued
+            # us, the wait below or the withdrawal when we give up takes care of it.
+            return self._read_back(token)
+
+    def _read_back(self, token: bytes) -> tuple[bool, int]:
         # If this read fails the error propagates: Redis is unusable for now.
         pipe = self.redis.pipeline(transaction=False)
         pipe.get(self.name)
         pipe.pttl(self.name)
         stored, pttl = pipe.execute()
         if self._is_token(stored, token):
+            # A release may have pushed a wake for us meanwhile: nobody will read it.
+            self.redis.delete(self._wake_key(token))
             return True, 0
         return False, int(pttl)
 
-    def _wait_for_wake(self, seconds: float) -> None:
+    def _give_up(self, token: bytes) -> bool:
+        """Withdraw from the queue; True if a release handed us the lock just before."""
+        keys = [self.name, self.queue_name, self.waiters_name, self._wake_key(token)]
+        try:
+            kept = bool(self._cancel_script(keys=keys, args=[token], client=self.redis))
+        except RedisTimeoutError:
+            # The withdrawal may have run, or may still run. Running it again reads the
+            # key and withdraws in one step, so its answer is final whichever of the two
+            # runs first: after either one, no release can hand us the lock any more.
+            # If this one fails too, the error propagates (see release()).
+            kept = bool(self._cancel_script(keys=keys, args=[token], client=self.redis))
+        if kept:
+            self._took(token)
+        return kept
+
+    def _wait_for_handoff(self, token: bytes, seconds: float) -> bool:
+        """Block on our wake key; True once a release has handed us the lock."""
         # Milliseconds are Redis' resolution; rounding also keeps the float out of
         # exponent notation.
         seconds = round(max(seconds, MIN_WAIT), 3)
         try:
-            self.redis.blpop([self.wake_name], timeout=seconds)
+            return self.redis.blpop([self._wake_key(token)], timeout=seconds) is not None
         except RedisTimeoutError:
-            # Only the client's socket timeout fired; it means no wake came in time.
-            # The next SET will surface a Redis that is really gone.
-            pass
+            # Only the client's socket timeout fired; it means no wake came in time (a
+            # wake popped by the lost reply is not lost: the next script finds the lock
+            # holding our token). The next script will surface a Redis that is gone.
+            return False
+
+    def _wake_key(self, token: bytes) -> bytes:
+        return self._wake_prefix + token
 
     def _ttl_ms(self) -> int | None:
         if not self.timeout:
@@ -296,10 +399,11 @@ class Lock:
     # -- release / TTL ---------------------------------------------------------------
 
     def release(self) -> None:
-        """Release the lock and wake one waiter.
+        """Release the lock: hand it to the first queued waiter, or delete it.
 
         Raises LockError if this lock was not acquired, LockNotOwnedError if it has
-        been taken over or has expired meanwhile (then nothing is deleted).
+        been taken over or has expired meanwhile (then the lock is left alone; only a
+        queue entry of this token, left by an acquire that failed midway, is withdrawn).
         """
         expected = self.local.token
         if expected is None:
@@ -310,7 +414,9 @@ class Lock:
         self.local.token = None
         self._stop_watchdog()
         released = self._release_script(
-            keys=[self.name, self.wake_name], args=[expected, WAKE_TTL_MS], client=self.redis
+            keys=[self.name, self.queue_name, self.waiters_name],
+            args=[expected, WAKE_TTL_MS],
+            client=self.redis,
         )
         if not released:
             raise LockNotOwnedError(

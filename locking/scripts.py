@@ -14,22 +14,129 @@ import weakref
 
 from redis.commands.core import Script
 
-# KEYS[1] lock name, KEYS[2] wake list
-# ARGV[1] owner token, ARGV[2] wake list lifetime (ms)
-# Returns 1 when the lock was ours and is now deleted, 0 otherwise (nothing changes).
-# The wake list is emptied before the push so that at most one wake is ever pending:
-# one release frees the lock for exactly one new owner, so waking more waiters than
-# that would only make them race for it and go back to sleep. The expiry keeps a wake
-# nobody consumed from lingering.
+# The lock's helper keys, all derived from the lock name:
+#   <name>:queue          list of waiting tokens, oldest first (FIFO order)
+#   <name>:waiters        hash token -> "<deadline ms> <ttl ms>" for every queued token
+#   <name>:wake:<token>   one waiter's wake: the release that hands it the lock pushes here
+# A token is in the list exactly when it is in the hash; every script below changes both
+# together. The deadline is Redis server time (TIME), so waiters' clocks do not matter.
+# The list and the hash share one expiry, never shorter than the latest deadline of an
+# entry; a wake key lives a few seconds. Nothing outlives the waiters that created it.
+# TIME followed by writes needs effects replication, the default since Redis 5 (and the
+# only mode since 7), so no script calls redis.replicate_commands().
+# The release script builds the next waiter's wake key from the lock name, a key it is not
+# passed in KEYS: the scripts suit a single Redis (or one with all keys on one node), not a
+# Redis Cluster.
+
+# KEYS[1] lock name, KEYS[2] queue, KEYS[3] waiters, KEYS[4] this waiter's wake key
+# ARGV[1] owner token, ARGV[2] lock TTL in ms ("0": none),
+# ARGV[3] how long a queue entry stays valid, in ms ("0": take the lock if free, never queue)
+# Returns {1, 0} when the lock is ours: it was free and is now set to ARGV[1], or it
+# already held ARGV[1] (handed over to us, or an earlier run of this very call, whose reply
+# was lost, took it). Our queue entry and wake are dropped then.
+# Otherwise returns {0, PTTL of the lock} and, when ARGV[3] > 0, makes sure ARGV[1] is
+# queued: appended at the tail the first time, its deadline (TIME + ARGV[3]) refreshed in
+# place on later calls, so one acquisition never holds two places.
+# A free lock is taken even when others are queued (it only happens when the last holder's
+# lock expired, or no queued entry was still valid at its release): queued waiters are
+# woken no later than the expiry and retry, so nobody waits forever.
+TAKE_OR_QUEUE = """
+local held = redis.call('get', KEYS[1])
+if held and held ~= ARGV[1] then
+    local ttl = redis.call('pttl', KEYS[1])
+    local valid = tonumber(ARGV[3])
+    if valid > 0 then
+        local now = redis.call('time')
+        local deadline = now[1] * 1000 + math.floor(now[2] / 1000) + valid
+        local entry = string.format('%.0f %s', deadline, ARGV[2])
+        if redis.call('hset', KEYS[3], ARGV[1], entry) == 1 then
+            redis.call('rpush', KEYS[2], ARGV[1])
+        end
+        local keep = math.max(valid, redis.call('pttl', KEYS[2]))
+        redis.call('pexpire', KEYS[2], keep)
+        redis.call('pexpire', KEYS[3], keep)
+    end
+    return {0, ttl}
+end
+if not held then
+    if ARGV[2] == '0' then
+        redis.call('set', KEYS[1], ARGV[1])
+    else
+        redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
+    end
+end
+if redis.call('hdel', KEYS[3], ARGV[1]) == 1 then
+    redis.call('lrem', KEYS[2], 1, ARGV[1])
+end
+redis.call('del', KEYS[4])
+return {1, 0}
+"""
+
+# KEYS[1] lock name, KEYS[2] queue, KEYS[3] waiters
+# ARGV[1] owner token, ARGV[2] wake key lifetime (ms)
+# Returns 0 when the lock does not hold ARGV[1]: the lock is left untouched, only a queue
+# entry of ARGV[1] is withdrawn (a token whose acquisition failed midway must not be
+# handed the lock later). Otherwise:
+# * hands the lock over: pops the queue head, skipping entries whose deadline (server
+#   TIME) has passed, sets the lock to that waiter's token with that waiter's TTL, pushes
+#   the waiter's own wake and returns 2. The waiter owns the lock from this moment on,
+#   without a round trip of its own; a waiter that died while queued is handed the lock
+#   all the same, which then expires after its TTL like a crashed holder's.
+# * deletes the lock when no valid entry is queued, and returns 1.
 RELEASE = """
 if redis.call('get', KEYS[1]) ~= ARGV[1] then
+    if redis.call('hdel', KEYS[3], ARGV[1]) == 1 then
+        redis.call('lrem', KEYS[2], 1, ARGV[1])
+    end
     return 0
 end
+local now
+while true do
+    local waiter = redis.call('lpop', KEYS[2])
+    if not waiter then
+        break
+    end
+    local entry = redis.call('hget', KEYS[3], waiter)
+    if entry then
+        redis.call('hdel', KEYS[3], waiter)
+        if not now then
+            local time = redis.call('time')
+            now = time[1] * 1000 + math.floor(time[2] / 1000)
+        end
+        local space = string.find(entry, ' ', 1, true)
+        local ttl = string.sub(entry, space + 1)
+        if tonumber(string.sub(entry, 1, space - 1)) > now then
+            if ttl == '0' then
+                redis.call('set', KEYS[1], waiter)
+            else
+                redis.call('set', KEYS[1], waiter, 'PX', ttl)
+            end
+            local wake = KEYS[1] .. ':wake:' .. waiter
+            redis.call('rpush', wake, '1')
+            redis.call('pexpire', wake, ARGV[2])
+            return 2
+        end
+    end
+end
 redis.call('del', KEYS[1])
-redis.call('del', KEYS[2])
-redis.call('rpush', KEYS[2], '1')
-redis.call('pexpire', KEYS[2], ARGV[2])
 return 1
+"""
+
+# KEYS[1] lock name, KEYS[2] queue, KEYS[3] waiters, KEYS[4] this waiter's wake key
+# ARGV[1] owner token
+# A waiter giving up. Returns 1 when the lock holds ARGV[1] (a release handed it over
+# just now): the waiter keeps it. Returns 0 otherwise. Either way the waiter's queue entry
+# and wake are gone afterwards, so no later release can hand it the lock: whatever this
+# script answers is final.
+CANCEL = """
+if redis.call('hdel', KEYS[3], ARGV[1]) == 1 then
+    redis.call('lrem', KEYS[2], 1, ARGV[1])
+end
+redis.call('del', KEYS[4])
+if redis.call('get', KEYS[1]) == ARGV[1] then
+    return 1
+end
+return 0
 """
 
 # KEYS[1] lock name

@@ -54,21 +54,29 @@ def server(_private_server: RedisServer) -> Iterator[RedisServer]:
         admin.close()
 
 
-class SetSpyRedis(redis.Redis):
-    """A client that records when one of its SET commands times out on the client side."""
+class TakeSpyRedis(redis.Redis):
+    """A client that records when a command that may take the lock times out on the client
+    side: the SET of a non-blocking acquire or the take-or-queue script (EVALSHA) of a
+    blocking one."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
-        self.set_timeouts = 0
-        self.set_timed_out = threading.Event()
+        self.take_timeouts = 0
+        self.take_timed_out = threading.Event()
+
+    def _spied(self, call, *args, **kwargs):
+        try:
+            return call(*args, **kwargs)
+        except redis.exceptions.TimeoutError:
+            self.take_timeouts += 1
+            self.take_timed_out.set()
+            raise
 
     def set(self, *args, **kwargs):  # type: ignore[override]
-        try:
-            return super().set(*args, **kwargs)
-        except redis.exceptions.TimeoutError:
-            self.set_timeouts += 1
-            self.set_timed_out.set()
-            raise
+        return self._spied(super().set, *args, **kwargs)
+
+    def evalsha(self, *args, **kwargs):  # type: ignore[override]
+        return self._spied(super().evalsha, *args, **kwargs)
 
 
 def no_retry_client(server: RedisServer, cls: type[redis.Redis] = redis.Redis, **kwargs):
@@ -510,14 +518,40 @@ def test_release_wakes_a_waiter_at_once(r: redis.Redis, prefix: str) -> None:
     waiter_client.close()
 
 
-def test_release_leaves_at_most_one_short_lived_wake(r: redis.Redis, prefix: str) -> None:
+def test_nothing_lingers_and_helper_keys_are_short_lived(r: redis.Redis, prefix: str) -> None:
     name = prefix + "one-wake"
     lock = Lock(r, name, timeout=5)
     for _ in range(3):
         assert lock.acquire()
         lock.release()
-    assert r.lrange(name + ":wake", 0, -1) == [b"1"]
-    assert 0 < r.pttl(name + ":wake") <= 3000
+    # Without waiters, a release leaves no key behind at all.
+    assert list(r.scan_iter(match=prefix + "*")) == []
+
+    # While someone waits, the queue and its details expire on their own.
+    assert lock.acquire()
+    waiter = Lock(r, name, timeout=5, max_wait_slice=0.5, thread_local=False)
+    thread, outcome = run_in_thread(lambda: waiter.acquire(blocking_timeout=10))
+    deadline = time.monotonic() + 5
+    while not r.exists(name + ":queue") and time.monotonic() < deadline:
+        time.sleep(0.005)
+    for key in (name + ":queue", name + ":waiters"):
+        assert 0 < r.pttl(key) <= 500 + 1000  # one wait slice plus the grace
+    # A handoff leaves one wake for the next owner; it expires within seconds.
+    lock.release()
+    thread.join(10)
+    assert outcome.get("result") is True
+    assert r.get(name) == waiter.local.token
+    assert sorted(r.scan_iter(match=prefix + "*")) == [name.encode()]  # wake consumed
+    waiter.release()
+    assert list(r.scan_iter(match=prefix + "*")) == []
+    # A wake nobody reads (its waiter died) lives a few seconds at most.
+    assert lock.acquire()
+    r.rpush(name + ":queue", b"dead-waiter")
+    r.hset(name + ":waiters", b"dead-waiter", f"{int(time.time() * 1000) + 60_000} 100")
+    lock.release()
+    assert r.get(name) == b"dead-waiter"
+    assert r.lrange(name + ":wake:dead-waiter", 0, -1) == [b"1"]
+    assert 0 < r.pttl(name + ":wake:dead-waiter") <= 3000
 
 
 def test_a_dead_holders_lock_is_taken_when_it_expires(r: redis.Redis, prefix: str) -> None:
@@ -538,20 +572,23 @@ def test_a_dead_holders_lock_is_taken_when_it_expires(r: redis.Redis, prefix: st
 # -- SET timing out on the client ------------------------------------------------------
 
 
-def test_set_timeout_then_get_finds_our_token(server: RedisServer) -> None:
-    client = no_retry_client(server, SetSpyRedis, socket_timeout=0.2)
+@pytest.mark.parametrize("blocking", [True, False], ids=["take-or-queue-script", "set"])
+def test_set_timeout_then_get_finds_our_token(server: RedisServer, blocking: bool) -> None:
+    client = no_retry_client(server, TakeSpyRedis, socket_timeout=0.2)
     client.ping()  # connect now: the handshake must not be what times out
     lock = Lock(client, "busy", timeout=10, thread_local=False)
+    assert lock.acquire(blocking_timeout=1)  # loads the scripts: not what must time out
+    lock.release()
     server.pause()
     try:
-        thread, outcome = run_in_thread(lambda: lock.acquire(blocking_timeout=5))
-        assert client.set_timed_out.wait(5)
+        thread, outcome = run_in_thread(lambda: lock.acquire(blocking=blocking, blocking_timeout=5))
+        assert client.take_timed_out.wait(5)
     finally:
-        # The queued SET runs first, then the lock's GET reads our token back.
+        # The queued SET (or script) runs first, then the lock's GET reads our token back.
         server.resume()
     thread.join(10)
     assert outcome.get("result") is True, outcome
-    assert client.set_timeouts == 1
+    assert client.take_timeouts == 1
     assert lock.owned()
     assert server.client().get("busy") == lock.local.token
     lock.release()
@@ -570,19 +607,22 @@ def test_set_timeout_when_another_token_got_there_first(
     holder = Lock(admin, "busy", timeout=holder_ttl)
     assert holder.acquire()
     holder_token = admin.get("busy")
-    client = no_retry_client(server, SetSpyRedis, socket_timeout=0.2)
+    client = no_retry_client(server, TakeSpyRedis, socket_timeout=0.2)
     client.ping()
     lock = Lock(client, "busy", timeout=10, thread_local=False)
+    assert lock.acquire(blocking_timeout=0) is False  # loads the script now, not while paused
     server.pause()
     try:
         started = time.monotonic()
         thread, outcome = run_in_thread(lambda: lock.acquire(blocking_timeout=blocking_timeout))
-        assert client.set_timed_out.wait(5)
+        assert client.take_timed_out.wait(5)
     finally:
         server.resume()
     thread.join(10)
     assert outcome.get("result") is expected, outcome
-    assert client.set_timeouts == 1
+    assert client.take_timeouts == 1
+    # The timed-out script queued us once it ran; nothing of that is left behind.
+    assert admin.exists("busy:queue", "busy:waiters") == 0
     if expected:
         assert lock.owned()
         assert outcome["at"] - started >= holder_ttl * 0.9  # only once the holder's TTL ran out

