@@ -136,6 +136,8 @@ class BuyerReport:
     backend_cpu_seconds: float | None = None
     #: With --profile: seconds spent per phase, summed over the process's checkouts.
     timings: dict[str, float] = field(default_factory=dict)
+    #: Seconds each sale took, from the call to its return (refusals and busy answers aside).
+    sale_seconds: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -160,6 +162,9 @@ class Result:
     postgres_cpu_ms_per_buy: float | None
     redis_cpu_ms_per_buy: float | None
     host_cpu_busy: float | None
+    #: Time one sale took, from the buyer's call to its return: median and 99th percentile.
+    p50_ms: float | None = None
+    p99_ms: float | None = None
     audit: dict[str, Any] = field(default_factory=dict)
     #: With --profile: milliseconds per unit sold spent in each phase, all buyers together.
     phases_ms_per_buy: dict[str, float] = field(default_factory=dict)
@@ -614,12 +619,14 @@ def _buyer(
             if time.monotonic() >= deadline:
                 report.capped = True
                 break
+            called = time.perf_counter()
             try:
                 if not buy():
                     break
             except Busy:
                 report.busy += 1
                 continue
+            report.sale_seconds.append(time.perf_counter() - called)
             report.sold += 1
             report.last_sale_at = time.monotonic()
     except BaseException:
@@ -741,6 +748,7 @@ def run_contender(contender: Contender, args: argparse.Namespace, round_: int) -
     redis_cpu = None
     if redis_before is not None and redis_after is not None:
         redis_cpu = redis_after - redis_before
+    durations = sorted(seconds for report in buyers for seconds in report.sale_seconds)
     phases: dict[str, float] = {}
     for report in buyers:
         for phase, phase_seconds in report.timings.items():
@@ -768,11 +776,20 @@ def run_contender(contender: Contender, args: argparse.Namespace, round_: int) -
         else per_buy(sum(backend)),
         redis_cpu_ms_per_buy=per_buy(redis_cpu),
         host_cpu_busy=host_busy,
+        p50_ms=_percentile_ms(durations, 0.50),
+        p99_ms=_percentile_ms(durations, 0.99),
         audit={key: value for key, value in audit.items() if key != "orders_by_status"},
         phases_ms_per_buy={phase: 1000 * total / sold for phase, total in phases.items()}
         if sold
         else {},
     )
+
+
+def _percentile_ms(ordered: list[float], share: float) -> float | None:
+    """The share-th quantile of ordered durations (nearest rank), in milliseconds."""
+    if not ordered:
+        return None
+    return 1000 * ordered[min(len(ordered) - 1, max(0, round(share * len(ordered)) - 1))]
 
 
 def _lock_wait_seconds() -> float:
@@ -862,7 +879,7 @@ def print_table(rows: list[Result], rounds: int) -> None:
     header = (
         f"{'contender':<27} {'buys/s':>7} {'sold':>6} {'busy':>5} {'oversold':>8} "
         f"{'remaining':>9} {'consistent':>10} {'cpu py':>7} {'cpu pg':>7} {'cpu redis':>9} "
-        f"{'host cpu':>8}"
+        f"{'host cpu':>8} {'p50 ms':>7} {'p99 ms':>7}"
     )
     print(header)
     print("-" * len(header))
@@ -877,7 +894,7 @@ def print_table(rows: list[Result], rounds: int) -> None:
             f"{_format(row.postgres_cpu_ms_per_buy, '.2f'):>7} "
             f"{_format(row.redis_cpu_ms_per_buy, '.3f'):>9} "
             f"{_format(None if row.host_cpu_busy is None else 100 * row.host_cpu_busy, '.0f'):>7}%"
-            f"{note}"
+            f" {_format(row.p50_ms, '.2f'):>7} {_format(row.p99_ms, '.1f'):>7}{note}"
         )
 
 
@@ -1039,7 +1056,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "\nbuys/s: units sold / seconds from the start barrier to the last sale. cpu py: the "
         "buyer processes; cpu pg: their PostgreSQL backends; cpu redis: the whole Redis server; "
-        "host cpu: all CPUs of this machine, anything else running included."
+        "host cpu: all CPUs of this machine, anything else running included. p50/p99 ms: how "
+        "long one sale took a buyer (a lock that lets its waiters sleep can sell fast and still "
+        "keep some buyers waiting long)."
     )
 
     broken = sorted(
