@@ -12,6 +12,7 @@ mid-payment leaves nothing behind and the redelivered task pays once.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import random
@@ -83,6 +84,12 @@ class OrderPublisher:
         self._wake = threading.Event()
         self._pid: int | None = None
 
+    def forget_after_fork(self) -> None:
+        """In a forked child: the parent's thread and pending keys are not ours."""
+        self._lock = threading.Lock()
+        self._pending = []
+        self._pid = None
+
     def add(self, order_pk: int) -> None:
         with self._lock:
             if self.background and self._pid != os.getpid():
@@ -91,6 +98,9 @@ class OrderPublisher:
                 self._pending = []
                 self._wake = threading.Event()
                 threading.Thread(target=self._run, name="order-publisher", daemon=True).start()
+                # A process that exits cleanly (a gunicorn worker recycled or stopped) sends
+                # what it holds instead of leaving it to the sweeper.
+                atexit.register(self.flush)
             self._pending.append(order_pk)
             if len(self._pending) >= settings.FLASHSALE_PUBLISH_BATCH:
                 self._wake.set()
@@ -121,6 +131,7 @@ class OrderPublisher:
 
 
 publisher = OrderPublisher()
+os.register_at_fork(after_in_child=publisher.forget_after_fork)
 
 
 def order_placed(order_pk: int) -> None:
@@ -268,7 +279,7 @@ def reconcile_sale(sku: str) -> list[str]:
         # back checkouts, payments and expiries of this item, so the orders read below are
         # exactly those behind its stock.
         list(
-            StockShard.objects.select_for_update()
+            StockShard.objects.select_for_update(of=("self",))
             .filter(item__sku=sku)
             .order_by("index")
             .values_list("pk", flat=True)
