@@ -17,6 +17,8 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
+from functools import cache, cached_property
+from typing import Any
 
 from django.conf import settings
 from django.db import DatabaseError, OperationalError, connection
@@ -62,12 +64,23 @@ def lock_stock_row(item_id: int) -> StockRow:
 
 @dataclass(frozen=True)
 class Sold:
-    """A committed sale: the order row, and the units left where they were taken from."""
+    """A committed sale: the order row, and the units left where they were taken from.
 
-    order: Order
+    The Order object is built on first use: a strategy that holds a lock can release it first.
+    """
+
+    item: Item
+    order_fields: dict[str, Any]
     item_stock: int
     #: Units left on each shard the sale took from (empty when it took from none).
     shard_levels: dict[int, int] = field(default_factory=dict)
+
+    @cached_property
+    def order(self) -> Order:
+        order = Order(item=self.item, **self.order_fields)
+        order._state.adding = False
+        order._state.db = connection.alias
+        return order
 
 
 class HalfDone(Exception):
@@ -107,6 +120,8 @@ def sell(
     statement commits on return; inside one it is part of it.
     """
     shards = sorted((shard_units or {}).items())
+    units = {str(index): units for index, units in shards} or None
+    now = timezone.now()
     params: dict[str, object] = {
         "item": item.pk,
         "sale": item.current_sale_id,
@@ -115,36 +130,71 @@ def sell(
         "key": idempotency_key or None,
         "served_by": served_by,
         "fallback": fallback,
-        "shard_units": json.dumps({str(index): units for index, units in shards})
-        if shards
-        else None,
-        "now": timezone.now(),
+        "shard_units": None if units is None else json.dumps(units),
+        "now": now,
+        "limit": limit,
+        "set_stock": set_stock,
+        "version": expected_version,
     }
-    ctes = []
-    for n, (index, units) in enumerate(shards):
+    for n, (index, taken) in enumerate(shards):
         params[f"si{n}"] = index
-        params[f"su{n}"] = units
-        ctes.append(
-            f"s{n} AS (UPDATE {_SHARD} SET stock = stock - %(su{n})s, version = version + 1"
-            f" WHERE item_id = %(item)s AND index = %(si{n})s AND stock >= %(su{n})s"
-            " RETURNING index, stock)"
-        )
-    if set_stock is None:
-        assignment, guard = "stock = stock - %(qty)s", " AND stock >= %(qty)s"
-    else:
-        params["set_stock"] = set_stock
+        params[f"su{n}"] = taken
+    sql = _sale_sql(
+        len(shards),
+        absolute=set_stock is not None,
+        versioned=expected_version is not None,
+        limited=limit is not None,
+    )
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            row = cursor.fetchone()
+    except DatabaseError as exc:
+        if getattr(exc.__cause__, "sqlstate", None) == HALF_DONE_SQLSTATE:
+            raise HalfDone(str(exc.__cause__)) from None
+        raise
+    order_id, item_stock = row[0], row[1]
+    if order_id is None:
+        return None
+    fields = {
+        "id": order_id,
+        "sale_id": item.current_sale_id,
+        "buyer": buyer,
+        "qty": qty,
+        "status": OrderStatus.PENDING,
+        "idempotency_key": params["key"],
+        "served_by": served_by,
+        "fallback": fallback,
+        "shard_units": units,
+        "created_at": now,
+        "updated_at": now,
+    }
+    levels = {int(index): left for index, left in (row[2] or {}).items()} if shards else {}
+    return Sold(item=item, order_fields=fields, item_stock=item_stock, shard_levels=levels)
+
+
+@cache
+def _sale_sql(shard_count: int, *, absolute: bool, versioned: bool, limited: bool) -> str:
+    """The text of the sale statement for one shape of sale (built once per shape)."""
+    ctes = [
+        f"s{n} AS (UPDATE {_SHARD} SET stock = stock - %(su{n})s, version = version + 1"
+        f" WHERE item_id = %(item)s AND index = %(si{n})s AND stock >= %(su{n})s"
+        " RETURNING index, stock)"
+        for n in range(shard_count)
+    ]
+    if absolute:
         assignment, guard = "stock = %(set_stock)s", ""
-    if expected_version is not None:
-        params["version"] = expected_version
+    else:
+        assignment, guard = "stock = stock - %(qty)s", " AND stock >= %(qty)s"
+    if versioned:
         guard += " AND version = %(version)s"
     # Shards first: the item row is locked only once every shard is ours (the lock order).
-    guard += "".join(f" AND EXISTS (SELECT 1 FROM s{n})" for n in range(len(shards)))
+    guard += "".join(f" AND EXISTS (SELECT 1 FROM s{n})" for n in range(shard_count))
     ctes.append(
         f"taken AS (UPDATE {_ITEM} SET {assignment}, version = version + 1"
         f" WHERE id = %(item)s{guard} RETURNING stock)"
     )
-    if limit is not None:
-        params["limit"] = limit
+    if limited:
         ctes.append(
             f"allowance AS (INSERT INTO {_ALLOWANCE} (item_id, buyer, units, unit_limit)"
             " SELECT %(item)s, %(buyer)s, %(qty)s, %(limit)s FROM taken"
@@ -158,44 +208,15 @@ def sell(
         " %(fallback)s, %(shard_units)s::jsonb, %(now)s, %(now)s FROM taken RETURNING id)"
     )
     columns = ["(SELECT id FROM placed)", "(SELECT stock FROM taken)"]
-    if shards:
-        levels = " UNION ALL ".join(f"SELECT index, stock FROM s{n}" for n in range(len(shards)))
+    if shard_count:
+        levels = " UNION ALL ".join(f"SELECT index, stock FROM s{n}" for n in range(shard_count))
         parts = " + ".join(
             ["(SELECT count(*) FROM taken)"]
-            + [f"(SELECT count(*) FROM s{n})" for n in range(len(shards))]
+            + [f"(SELECT count(*) FROM s{n})" for n in range(shard_count)]
         )
         columns.append(f"(SELECT json_object_agg(index, stock) FROM ({levels}) AS levels)")
-        columns.append(f"inventory_all_or_nothing(({parts})::int, {len(shards) + 1})")
-    sql = f"WITH {', '.join(ctes)} SELECT {', '.join(columns)}"
-    try:
-        with connection.cursor() as cursor:
-            cursor.execute(sql, params)
-            row = cursor.fetchone()
-    except DatabaseError as exc:
-        if getattr(exc.__cause__, "sqlstate", None) == HALF_DONE_SQLSTATE:
-            raise HalfDone(str(exc.__cause__)) from None
-        raise
-    order_id, item_stock = row[0], row[1]
-    if order_id is None:
-        return None
-    order = Order(
-        id=order_id,
-        item=item,
-        sale_id=item.current_sale_id,
-        buyer=buyer,
-        qty=qty,
-        status=OrderStatus.PENDING,
-        idempotency_key=params["key"],
-        served_by=served_by,
-        fallback=fallback,
-        shard_units={str(index): units for index, units in shards} or None,
-        created_at=params["now"],
-        updated_at=params["now"],
-    )
-    order._state.adding = False
-    order._state.db = connection.alias
-    levels = {int(index): units for index, units in (row[2] or {}).items()} if shards else {}
-    return Sold(order=order, item_stock=item_stock, shard_levels=levels)
+        columns.append(f"inventory_all_or_nothing(({parts})::int, {shard_count + 1})")
+    return f"WITH {', '.join(ctes)} SELECT {', '.join(columns)}"
 
 
 _ITEM = Item._meta.db_table
