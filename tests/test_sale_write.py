@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -13,7 +16,8 @@ from inventory.models import BuyerAllowance, Item, Order, StockShard
 from inventory.redis_client import get_redis_client
 from inventory.services import place_order, start_sale
 from inventory.tasks import dispatch_orders_task
-from tests.conftest import TASK_QUEUE
+from loadtest.server import PROJECT_DIR as ROOT
+from tests.conftest import TASK_QUEUE, server_env
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.embedded_smoke]
 
@@ -103,4 +107,39 @@ def test_forty_orders_go_to_the_broker_as_one_message_then_one_task_each(monkeyp
     assert _newest_message(client) == {
         "task": "inventory.tasks.process_order_task",
         "args": [placed[-1]],
+    }
+
+
+def test_a_process_that_exits_cleanly_sends_the_orders_it_still_holds():
+    # Given a process whose publisher would wait a minute before sending anything
+    start_sale(sku="exit", stock=5, strategy="lua")
+    script = (
+        "import django; django.setup()\n"
+        "from inventory.services import place_order\n"
+        "print(place_order(sku='exit', qty=1, buyer='late').order.pk)\n"
+    )
+    client = get_redis_client()
+    queued = client.llen(TASK_QUEUE)
+
+    # When it places an order and exits at once
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env={
+            **os.environ,
+            **server_env(FLASHSALE_PUBLISH_INTERVAL_MS=60_000),
+            "DJANGO_SETTINGS_MODULE": "shop.settings",
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+    # Then the order went to the broker on the way out, not a minute later by the sweeper
+    assert result.returncode == 0, result.stderr
+    order_pk = int(result.stdout.split()[-1])
+    assert client.llen(TASK_QUEUE) == queued + 1
+    assert _newest_message(client) == {
+        "task": "inventory.tasks.dispatch_orders_task",
+        "args": [[order_pk]],
     }
