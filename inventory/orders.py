@@ -51,13 +51,18 @@ def enqueue_order(order_pk: int) -> bool:
     """
     from .tasks import process_order_task
 
+    return _publish(process_order_task, order_pk, what=f"order {order_pk}")
+
+
+def _publish(task, argument: object, *, what: str) -> bool:
+    """Send task(argument) through the broker breaker; False (and logged) if the broker is down."""
     if not broker_breaker.allow():
         return False
     try:
-        process_order_task.apply_async((order_pk,), retry=False)
+        task.apply_async((argument,), retry=False)
     except _PUBLISH_ERRORS as exc:
         broker_breaker.record_failure(exc)
-        logger.warning("order %s not enqueued (%s): the sweeper will", order_pk, exc)
+        logger.warning("%s not enqueued (%s): the sweeper will", what, exc)
         return False
     broker_breaker.record_success()
     return True
@@ -146,16 +151,7 @@ def publish_orders(order_pks: list[int]) -> bool:
     """Publish one task that enqueues every order's own task; False if the broker is down."""
     from .tasks import dispatch_orders_task
 
-    if not broker_breaker.allow():
-        return False
-    try:
-        dispatch_orders_task.apply_async((order_pks,), retry=False)
-    except _PUBLISH_ERRORS as exc:
-        broker_breaker.record_failure(exc)
-        logger.warning("orders not enqueued (%s)", exc)
-        return False
-    broker_breaker.record_success()
-    return True
+    return _publish(dispatch_orders_task, order_pks, what=f"{len(order_pks)} orders")
 
 
 def simulate_payment(order: Order) -> bool:

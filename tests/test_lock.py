@@ -26,7 +26,7 @@ from redis.retry import Retry
 
 import locking
 from locking import Lock, scripts
-from tests.support import gather_from_processes, redis_url
+from tests.support import gather_from_processes, redis_url, run_in_thread
 from tests.support.redis_server import RedisServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -83,22 +83,6 @@ def no_retry_client(server: RedisServer, cls: type[redis.Redis] = redis.Redis, *
     """A client that surfaces timeouts at once instead of retrying them."""
     kwargs.setdefault("retry", Retry(NoBackoff(), 0))
     return cls(host="127.0.0.1", port=server.port, **kwargs)
-
-
-def run_in_thread(target) -> tuple[threading.Thread, dict]:
-    """Start target() in a thread; the dict gets 'result' or 'error' and 'at' (monotonic)."""
-    outcome: dict = {}
-
-    def body() -> None:
-        try:
-            outcome["result"] = target()
-        except BaseException as exc:
-            outcome["error"] = exc
-        outcome["at"] = time.monotonic()
-
-    thread = threading.Thread(target=body, daemon=True)
-    thread.start()
-    return thread, outcome
 
 
 def watchdog_threads(name: str) -> list[threading.Thread]:

@@ -18,7 +18,7 @@ import redis
 from redis.exceptions import LockNotOwnedError
 
 from locking import Lock
-from tests.support import gather_from_processes, redis_url
+from tests.support import gather_from_processes, redis_url, run_in_thread
 from tests.support.redis_server import RedisServer
 
 # -- helpers ---------------------------------------------------------------------------
@@ -89,22 +89,6 @@ def wait_for(condition: Callable[[], object], timeout: float = 5.0, what: str = 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what or condition}")
         time.sleep(0.002)
-
-
-def run_in_thread(target) -> tuple[threading.Thread, dict]:
-    """Start target() in a thread; the dict gets 'result' or 'error' and 'at' (monotonic)."""
-    outcome: dict = {}
-
-    def body() -> None:
-        try:
-            outcome["result"] = target()
-        except BaseException as exc:
-            outcome["error"] = exc
-        outcome["at"] = time.monotonic()
-
-    thread = threading.Thread(target=body, daemon=True)
-    thread.start()
-    return thread, outcome
 
 
 def queue(r: redis.Redis, name: str) -> list[bytes]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 import uuid
 from typing import Any
 
@@ -49,3 +51,19 @@ def gather_from_processes(processes: list[Any], results: Any, *, timeout: float 
             if process.is_alive():
                 process.kill()
                 process.join()
+
+
+def run_in_thread(target) -> tuple[threading.Thread, dict]:
+    """Start target() in a thread; the dict gets 'result' or 'error' and 'at' (monotonic)."""
+    outcome: dict = {}
+
+    def body() -> None:
+        try:
+            outcome["result"] = target()
+        except BaseException as exc:
+            outcome["error"] = exc
+        outcome["at"] = time.monotonic()
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    return thread, outcome
