@@ -72,6 +72,10 @@ if "DATABASE_URL" not in env:
 DATABASES = {"default": env.db("DATABASE_URL")}
 DATABASES["default"]["CONN_MAX_AGE"] = env.int("DJANGO_CONN_MAX_AGE", default=60)
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+# Lets the sale statement be prepared once per connection (inventory.stock); Django's own
+# queries never are. Turn off behind a pooler in transaction mode that cannot keep them.
+if env.bool("DJANGO_DB_PREPARED_STATEMENTS", default=True):
+    DATABASES["default"].setdefault("OPTIONS", {})["prepare_threshold"] = 5
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [

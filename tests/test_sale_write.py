@@ -143,3 +143,61 @@ def test_a_process_that_exits_cleanly_sends_the_orders_it_still_holds():
         "task": "inventory.tasks.dispatch_orders_task",
         "args": [[order_pk]],
     }
+
+
+_PREPARED = (
+    "SELECT statement, generic_plans + custom_plans FROM pg_prepared_statements"
+    " WHERE NOT from_sql ORDER BY statement"
+)
+
+_CHECKOUT_IN_A_PROCESS = (
+    "import django, json; django.setup()\n"
+    "from django.db import connection\n"
+    "from inventory.services import place_order\n"
+    "for n in range(3):\n"
+    "    place_order(sku='{sku}', qty=1, buyer=f'p{{n}}')\n"
+    "with connection.cursor() as cursor:\n"
+    "    cursor.execute({query!r})\n"
+    "    print(json.dumps(cursor.fetchall()))\n"
+)
+
+
+def _checkouts_in_a_process(sku: str, **env: object) -> list[tuple[str, int]]:
+    """Three checkouts of sku in a fresh process; the statements its connection prepared."""
+    result = subprocess.run(
+        [sys.executable, "-c", _CHECKOUT_IN_A_PROCESS.format(sku=sku, query=_PREPARED)],
+        cwd=ROOT,
+        env={**os.environ, **server_env(**env), "DJANGO_SETTINGS_MODULE": "shop.settings"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    return [tuple(row) for row in json.loads(result.stdout.splitlines()[-1])]
+
+
+@pytest.mark.parametrize("strategy", ["optimistic", "segmented"])
+def test_a_checkout_prepares_its_two_statements_once_per_connection(strategy):
+    start_sale(sku=f"prep-{strategy}", stock=10, strategy=strategy)
+
+    prepared = _checkouts_in_a_process(f"prep-{strategy}")
+
+    # The item read and the sale statement, each prepared once and run for all three sales
+    assert [(statement.split()[0], runs) for statement, runs in prepared] == [
+        ("SELECT", 3),
+        ("WITH", 3),
+    ]
+    assert "FROM inventory_item i LEFT JOIN inventory_sale" in prepared[0][0]
+    assert "INSERT INTO inventory_order" in prepared[1][0]
+    assert Order.objects.filter(item__sku=f"prep-{strategy}").count() == 3
+
+
+def test_prepared_statements_can_be_turned_off_for_a_pooler():
+    start_sale(sku="unprepared", stock=10, strategy="lua")
+
+    prepared = _checkouts_in_a_process("unprepared", DJANGO_DB_PREPARED_STATEMENTS="false")
+
+    # Nothing prepared, and the same code still sold the three units
+    assert prepared == []
+    assert Order.objects.filter(item__sku="unprepared").count() == 3
+    assert Item.objects.get(sku="unprepared").stock == 7
