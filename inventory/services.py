@@ -7,11 +7,19 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
 
+from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from . import stock
-from .exceptions import InvalidRequest, LimitReached, NotOnSale, NotStarted, UnknownSku
+from .exceptions import (
+    Busy,
+    InvalidRequest,
+    LimitReached,
+    NotOnSale,
+    NotStarted,
+    UnknownSku,
+)
 from .models import BuyerAllowance, Item, Order, Sale, StockShard
 from .orders import order_placed
 from .redis_client import REDIS_DOWN_ERRORS, get_redis_client, redis_key
@@ -71,6 +79,12 @@ def place_order(
 
     try:
         order = get_strategy(item.strategy).take(item=item, qty=qty, buyer=buyer, record=record)
+    except stock.RowLockTimeout:
+        raise Busy(
+            f"{sku}: its stock rows stayed locked by another transaction for "
+            f"{settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS} ms",
+            retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+        ) from None
     except IntegrityError as exc:
         if _violated_constraint(exc) == ALLOWANCE_LIMIT_CONSTRAINT:
             raise LimitReached(sku=sku, limit=limit or 0) from None

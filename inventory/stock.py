@@ -41,7 +41,8 @@ def read_stock(item_id: int) -> StockRow:
 
 
 class RowLockTimeout(Exception):
-    """The item row stayed locked longer than FLASHSALE_ROW_LOCK_TIMEOUT_MS."""
+    """A row the sale needs (the item's, a shard's, the buyer's allowance) stayed locked longer
+    than FLASHSALE_ROW_LOCK_TIMEOUT_MS: another transaction holds it."""
 
 
 def lock_stock_row(item_id: int) -> StockRow:
@@ -90,6 +91,8 @@ class HalfDone(Exception):
 
 #: SQLSTATE raised by `inventory_all_or_nothing` (migration 0004).
 HALF_DONE_SQLSTATE = "FS001"
+#: PostgreSQL's lock_not_available: a row-lock wait ran past lock_timeout.
+LOCK_NOT_AVAILABLE_SQLSTATE = "55P03"
 
 
 def sell(
@@ -117,8 +120,10 @@ def sell(
     stock: the lost update that `unsafe` and the lock's pitfall toggle demonstrate.
 
     Raises IntegrityError when the allowance would pass the limit (constraint
-    `allowance_within_limit`) or the idempotency key is taken. Outside a transaction the
-    statement commits on return; inside one it is part of it.
+    `allowance_within_limit`) or the idempotency key is taken, and RowLockTimeout when a row
+    it must write stayed locked by another transaction for FLASHSALE_ROW_LOCK_TIMEOUT_MS (then
+    nothing is written). Outside a transaction the statement commits on return; inside one it
+    is part of it, and the lock timeout it sets holds until that transaction ends.
     """
     shards = sorted((shard_units or {}).items())
     units = {str(index): units for index, units in shards} or None
@@ -136,6 +141,7 @@ def sell(
         "limit": limit,
         "set_stock": set_stock,
         "version": expected_version,
+        "lock_timeout": f"{int(settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS)}ms",
     }
     for n, (index, taken) in enumerate(shards):
         params[f"si{n}"] = index
@@ -151,8 +157,11 @@ def sell(
             cursor.execute(sql, params)
             row = cursor.fetchone()
     except DatabaseError as exc:
-        if getattr(exc.__cause__, "sqlstate", None) == HALF_DONE_SQLSTATE:
+        sqlstate = getattr(exc.__cause__, "sqlstate", None)
+        if sqlstate == HALF_DONE_SQLSTATE:
             raise HalfDone(str(exc.__cause__)) from None
+        if sqlstate == LOCK_NOT_AVAILABLE_SQLSTATE:
+            raise RowLockTimeout(str(exc.__cause__)) from None
         raise
     order_id, item_stock = row[0], row[1]
     if order_id is None:
@@ -202,16 +211,20 @@ def prepared_cursor() -> Any:
 @cache
 def _sale_sql(shard_count: int, *, absolute: bool, versioned: bool, limited: bool) -> str:
     """The text of the sale statement for one shape of sale (built once per shape)."""
-    ctes = [
+    # Bounds every row-lock wait of this statement (and of the transaction it is part of): the
+    # setting is made by a one-time filter of each UPDATE, before it scans, so before any wait.
+    ctes = ["bound AS MATERIALIZED (SELECT set_config('lock_timeout', %(lock_timeout)s, true))"]
+    ctes += [
         f"s{n} AS (UPDATE {_SHARD} SET stock = stock - %(su{n})s, version = version + 1"
         f" WHERE item_id = %(item)s AND index = %(si{n})s AND stock >= %(su{n})s"
-        " RETURNING index, stock)"
+        " AND EXISTS (SELECT 1 FROM bound) RETURNING index, stock)"
         for n in range(shard_count)
     ]
+    bounded = " AND EXISTS (SELECT 1 FROM bound)"
     if absolute:
-        assignment, guard = "stock = %(set_stock)s", ""
+        assignment, guard = "stock = %(set_stock)s", bounded
     else:
-        assignment, guard = "stock = stock - %(qty)s", " AND stock >= %(qty)s"
+        assignment, guard = "stock = stock - %(qty)s", f" AND stock >= %(qty)s{bounded}"
     if versioned:
         guard += " AND version = %(version)s"
     # Shards first: the item row is locked only once every shard is ours (the lock order).

@@ -7,14 +7,19 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
+from django.db import connections
 
 import inventory.services
 from inventory import orders, stock
+from inventory.exceptions import Busy
 from inventory.models import BuyerAllowance, Item, Order, StockShard
 from inventory.redis_client import get_redis_client
 from inventory.services import place_order, start_sale
+from inventory.strategies import get_strategy
 from inventory.tasks import dispatch_orders_task
 from loadtest.server import PROJECT_DIR as ROOT
 from tests.conftest import TASK_QUEUE, server_env
@@ -201,3 +206,45 @@ def test_prepared_statements_can_be_turned_off_for_a_pooler():
     assert prepared == []
     assert Order.objects.filter(item__sku="unprepared").count() == 3
     assert Item.objects.get(sku="unprepared").stock == 7
+
+
+@pytest.mark.parametrize("strategy", ["lock", "segmented", "lua", "optimistic"])
+def test_a_checkout_gives_up_on_a_row_another_transaction_holds_and_changes_nothing(
+    strategy, settings
+):
+    # Given a sale whose item row another session has locked in an open transaction
+    settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS = 300
+    sku = f"held-{strategy}"
+    start_sale(sku=sku, stock=5, strategy=strategy, limit=2)
+    item = Item.objects.get(sku=sku)
+    before, redis_before = _rows(sku), get_strategy(strategy).redis_stock(item=item)
+    holder = connections.create_connection("default")
+    holder.ensure_connection()
+    raw = holder.connection  # used from the timer thread too: plain psycopg, not Django's
+    raw.execute("BEGIN")
+    raw.execute("SELECT 1 FROM inventory_item WHERE id = %s FOR UPDATE", [item.pk])
+    # (without the bound the checkout would wait for ever: end the hold after 30 s regardless)
+    watchdog = threading.Timer(30, raw.rollback)
+    watchdog.start()
+    try:
+        # When a buyer checks out
+        started = time.monotonic()
+        with pytest.raises(Busy) as refused:
+            place_order(sku=sku, qty=1, buyer="b")
+        waited = time.monotonic() - started
+    finally:
+        watchdog.cancel()
+        raw.rollback()
+        holder.close()
+
+    # Then it answered busy once the bound ran out, not when the other session let go
+    assert waited < 15, waited
+    assert "stayed locked by another transaction for 300 ms" in str(refused.value)
+    assert refused.value.retry_after == settings.FLASHSALE_BUSY_RETRY_AFTER
+    # and nothing was written: no stock taken (shards and Redis included), no order, no allowance
+    assert _rows(sku) == before
+    assert get_strategy(strategy).redis_stock(item=item) == redis_before
+    assert not BuyerAllowance.objects.filter(item=item).exists()
+    # and once the row is free the same checkout goes through
+    assert place_order(sku=sku, qty=1, buyer="b").order.qty == 1
+    assert Item.objects.get(sku=sku).stock == before[0] - 1
