@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,8 @@ from .strategies.lock import lock_wait_seconds
 logger = logging.getLogger(__name__)
 
 CHECKOUT_FIELDS = {"sku", "qty", "buyer", "idempotency_key"}
+#: What Item.sku (a SlugField of 64) can hold.
+SKU_PATTERN = re.compile(r"[-a-zA-Z0-9_]{1,64}")
 
 
 def error_response(
@@ -162,6 +165,38 @@ def item_audit(request: HttpRequest, sku: str) -> JsonResponse:
         return JsonResponse(selectors.audit_sale(sku))
     except CheckoutError as error:
         return checkout_error_response(error)
+
+
+#: Most `sku` parameters one GET /api/items takes.
+MAX_ITEMS_PER_REQUEST = 100
+
+
+def item_list(request: HttpRequest) -> JsonResponse:
+    """Several items in one answer: those named by repeated `sku` parameters, else every item
+    on sale. The storefront's list polls this, once for all its cards.
+
+    `{"items": [...], "unknown": [...]}`: each item as GET /api/items/<sku> has it, without the
+    Redis figure (`redis_stock`), which costs a Redis call per item; `unknown` lists the skus
+    named that no item has.
+    """
+    if request.method != "GET":
+        return method_not_allowed(request, "GET")
+    skus = request.GET.getlist("sku")
+    if len(skus) > MAX_ITEMS_PER_REQUEST:
+        return error_response(
+            "invalid", f"at most {MAX_ITEMS_PER_REQUEST} sku parameters, got {len(skus)}", 400
+        )
+    bad = [sku for sku in skus if not SKU_PATTERN.fullmatch(sku)]
+    if bad:
+        return error_response("invalid", f"not a sku: {bad[0]!r} (1-64 of a-z A-Z 0-9 _ -)", 400)
+    items = selectors.items_by_sku(skus) if skus else list(selectors.items_on_sale())
+    known = {item.sku for item in items}
+    return JsonResponse(
+        {
+            "items": [selectors.item_payload(item) for item in items],
+            "unknown": [sku for sku in dict.fromkeys(skus) if sku not in known],
+        }
+    )
 
 
 def item_detail(request: HttpRequest, sku: str) -> JsonResponse:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.db.models import Count, Sum
+from django.db.models import Count, QuerySet, Sum
 
 from .breaker import breaker
 from .exceptions import NotOnSale, UnknownSku
@@ -19,6 +19,21 @@ def get_item(sku: str) -> Item:
         return Item.objects.select_related("current_sale").get(sku=sku)
     except Item.DoesNotExist:
         raise UnknownSku(sku) from None
+
+
+def items_on_sale() -> QuerySet[Item]:
+    """Items with a current sale (started or about to open), as the storefront lists them."""
+    return (
+        Item.objects.select_related("current_sale")
+        .filter(current_sale__isnull=False)
+        .order_by("sku")
+    )
+
+
+def items_by_sku(skus: list[str]) -> list[Item]:
+    """The items named, in the order named (unknown ones left out, repeats once)."""
+    found = Item.objects.select_related("current_sale").in_bulk(skus, field_name="sku")
+    return [found[sku] for sku in dict.fromkeys(skus) if sku in found]
 
 
 def redis_stock_of(item: Item) -> int | None:

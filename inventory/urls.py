@@ -3,6 +3,7 @@ from django.urls import path
 from . import api
 
 urlpatterns = [
+    path("items", api.item_list, name="api-items"),
     path("items/<str:sku>", api.item_detail, name="api-item"),
     path("items/<str:sku>/audit", api.item_audit, name="api-item-audit"),
     path("noop", api.noop, name="api-noop"),

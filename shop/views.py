@@ -26,7 +26,7 @@ FINAL_STATUSES = (OrderStatus.CONFIRMED, OrderStatus.FAILED, OrderStatus.EXPIRED
 
 @require_GET
 def item_list(request: HttpRequest) -> HttpResponse:
-    items = Item.objects.select_related("current_sale").filter(current_sale__isnull=False)
+    items = selectors.items_on_sale()
     return render(request, "shop/item_list.html", {"items": items, "now": timezone.now()})
 
 

@@ -39,6 +39,26 @@ def test_item_checkout_and_order_round_trip(client, strategy):
     assert client.get("/api/items/widget").json()["stock"] == 3
 
 
+def test_item_list_answers_for_several_items_at_once(client):
+    start_sale(sku="a-one", stock=5, strategy="lua", price=3)
+    start_sale(sku="b-two", stock=7, strategy="segmented", opens_in=600)
+    assert _checkout(client, sku="a-one", qty=2, buyer="ann").status_code == 201
+
+    # Every item on sale, each as its own endpoint has it, without the Redis figure
+    listed = client.get("/api/items").json()
+    singles = [client.get(f"/api/items/{sku}").json() for sku in ("a-one", "b-two")]
+    assert listed == {
+        "items": [{k: v for k, v in one.items() if k != "redis_stock"} for one in singles],
+        "unknown": [],
+    }
+    assert [item["stock"] for item in listed["items"]] == [3, 7]
+
+    # Or those named, in the order named, with the unknown ones said
+    named = client.get("/api/items?sku=b-two&sku=nope&sku=a-one&sku=b-two").json()
+    assert [item["sku"] for item in named["items"]] == ["b-two", "a-one"]
+    assert named["unknown"] == ["nope"]
+
+
 def test_sold_out_is_409(client):
     start_sale(sku="widget", stock=1, strategy="lua")
     assert _checkout(client, sku="widget", qty=1, buyer="ann").status_code == 201

@@ -93,12 +93,33 @@ def test_asking_for_more_than_is_left_is_sold_out_and_changes_nothing(client, it
 
 @pytest.mark.parametrize(
     ("method", "path"),
-    [("get", "/api/checkout"), ("post", "/api/items/gadget"), ("delete", "/api/orders/1")],
+    [
+        ("get", "/api/checkout"),
+        ("post", "/api/items/gadget"),
+        ("post", "/api/items"),
+        ("delete", "/api/orders/1"),
+    ],
 )
 def test_a_wrong_method_gets_405_json(client, item, method, path):
     response = getattr(client, method)(path)
     assert response.status_code == 405
     assert response.json()["error"] == "method_not_allowed"
+
+
+@pytest.mark.parametrize(
+    ("query", "detail"),
+    [
+        ("sku=" + "&sku=".join(f"s{n}" for n in range(101)), "at most 100 sku parameters, got 101"),
+        ("sku=", "not a sku: ''"),
+        ("sku=gadget&sku=bad%20sku!", "not a sku: 'bad sku!'"),
+        ("sku=" + "x" * 65, "not a sku"),
+    ],
+)
+def test_a_bad_item_list_query_is_400_json(client, item, query, detail):
+    response = client.get(f"/api/items?{query}")
+    assert response.status_code == 400
+    assert response.json()["error"] == "invalid"
+    assert detail in response.json()["detail"]
 
 
 def test_unknown_item_and_order_are_404_json(client, item):

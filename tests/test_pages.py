@@ -18,7 +18,7 @@ from django.test import Client
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from inventory.models import Order, OrderStatus, SaleRun
-from inventory.services import start_sale
+from inventory.services import place_order, start_sale
 from tests.browser import CHROMIUM, CHROMIUM_ARGS, ConsoleWatch, chromium_missing_reason, screenshot
 from tests.conftest import start_shop, start_worker
 from tests.support.redis_server import RedisServer
@@ -235,6 +235,31 @@ def test_a_sale_opening_later_counts_down_then_opens(shop_server, page):
     page.get_by_role("button", name="Buy now").click()
     page.wait_for_url(re.compile(r"/orders/\d+/$"))
     assert Order.objects.filter(item__sku=sku).count() == 1
+
+
+def test_the_list_follows_every_card_with_one_request_per_poll(shop_server, page):
+    # Given two items on the list, and a page that notes every API request it makes
+    first, second = _sku("pair-a"), _sku("pair-b")
+    start_sale(sku=first, stock=4, strategy="lua", name="Pair A")
+    start_sale(sku=second, stock=6, strategy="segmented", name="Pair B")
+    asked: list[str] = []
+    page.on("request", lambda request: asked.append(request.url))
+    page.goto(f"{shop_server.url}/")
+    _mark_page(page)
+
+    # When both sell units
+    place_order(sku=first, qty=3, buyer="ann")
+    place_order(sku=second, qty=6, buyer="bob")
+
+    # Then both cards show it without a reload
+    card_a = page.locator("[data-item]", has_text="Pair A")
+    card_b = page.locator("[data-item]", has_text="Pair B")
+    expect(card_a.locator("[data-stock-text]")).to_have_text("1 left", timeout=LIVE)
+    expect(card_b.locator("[data-state-badge]")).to_have_text("Sold out", timeout=LIVE)
+    assert _not_reloaded(page)
+    # from the one list endpoint, never one request per item
+    api = [url.removeprefix(shop_server.url) for url in asked if "/api/items" in url]
+    assert api and set(api) == {"/api/items"}, api
 
 
 def test_the_list_counts_down_too(shop_server, page):

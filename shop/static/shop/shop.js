@@ -1,7 +1,8 @@
 /* flashsale storefront: keeps the rendered pages current without a reload.
  *
- * - items ([data-item]): poll GET /api/items/<sku> every second for stock and opening time;
- *   count down to a later opening; show on sale / opens soon / sold out / limit reached.
+ * - items ([data-item]): poll every second for stock and opening time (the item page: GET
+ *   /api/items/<sku>; the list: one GET /api/items for all its cards); count down to a later
+ *   opening; show on sale / opens soon / sold out / limit reached.
  * - the buy form ([data-buy-form]): enabled only while the item can be bought; disabled on
  *   submit so a double click sends one request (the server's idempotency key covers the rest).
  * - orders ([data-order]): poll GET /api/orders/<id> until confirmed, failed or expired.
@@ -344,8 +345,41 @@
     );
   }
 
+  /* The list: one poll of every item on sale feeds all the cards. A card whose item is not in
+   * the answer any more is no longer on sale. */
+  function startItemList(list) {
+    var widgets = {};
+    var cards = list.querySelectorAll("[data-item][data-sku]");
+    for (var i = 0; i < cards.length; i++) {
+      var widget = new ItemWidget(cards[i]);
+      widget.start();
+      widgets[cards[i].getAttribute("data-sku")] = widget;
+    }
+    poll(list.getAttribute("data-items-url"), ITEM_POLL_MS, function (answer) {
+      if (!answer.ok) {
+        return true;
+      }
+      var bySku = {};
+      answer.data.items.forEach(function (item) {
+        bySku[item.sku] = item;
+      });
+      Object.keys(widgets).forEach(function (sku) {
+        widgets[sku].update(
+          sku in bySku
+            ? { ok: true, status: 200, data: bySku[sku] }
+            : { ok: false, status: 404, data: null }
+        );
+      });
+      return true;
+    });
+  }
+
   function init() {
-    var items = document.querySelectorAll("[data-item]");
+    var list = document.querySelector("[data-items-url]");
+    if (list) {
+      startItemList(list);
+    }
+    var items = document.querySelectorAll("[data-item]:not([data-sku])");
     for (var i = 0; i < items.length; i++) {
       new ItemWidget(items[i]).start();
     }
