@@ -214,13 +214,13 @@ def _sale_sql(shard_count: int, *, absolute: bool, versioned: bool, limited: boo
     # Bounds every row-lock wait of this statement (and of the transaction it is part of): the
     # setting is made by a one-time filter of each UPDATE, before it scans, so before any wait.
     ctes = ["bound AS MATERIALIZED (SELECT set_config('lock_timeout', %(lock_timeout)s, true))"]
+    bounded = " AND EXISTS (SELECT 1 FROM bound)"
     ctes += [
         f"s{n} AS (UPDATE {_SHARD} SET stock = stock - %(su{n})s, version = version + 1"
-        f" WHERE item_id = %(item)s AND index = %(si{n})s AND stock >= %(su{n})s"
-        " AND EXISTS (SELECT 1 FROM bound) RETURNING index, stock)"
+        f" WHERE item_id = %(item)s AND index = %(si{n})s AND stock >= %(su{n})s{bounded}"
+        " RETURNING index, stock)"
         for n in range(shard_count)
     ]
-    bounded = " AND EXISTS (SELECT 1 FROM bound)"
     if absolute:
         assignment, guard = "stock = %(set_stock)s", bounded
     else:
