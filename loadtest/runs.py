@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+from django.conf import settings
 from django.db.models import Max
 from django.utils import timezone
 
@@ -112,7 +113,7 @@ def run_batch(
 
     config.validate()
     batch = batch or new_batch_id()
-    out = Path(config.out or PROJECT_DIR / "reports" / batch)
+    out = Path(config.out or settings.FLASHSALE_REPORTS_DIR / batch)
     out.mkdir(parents=True, exist_ok=True)
     runs: list[SaleRun] = []
     with _target(config, out, progress) as (host, settles):

@@ -180,6 +180,8 @@ FLASHSALE_ORDER_HOLD_SECONDS = env.int("FLASHSALE_ORDER_HOLD_SECONDS", default=9
 FLASHSALE_REQUEUE_AFTER_SECONDS = env.int("FLASHSALE_REQUEUE_AFTER_SECONDS", default=30)
 # Seconds a client is told to wait after `503 busy`.
 FLASHSALE_BUSY_RETRY_AFTER = env.int("FLASHSALE_BUSY_RETRY_AFTER", default=1)
+# Where load-run batches write their reports (a folder per batch) unless `loadtest --out` names one.
+FLASHSALE_REPORTS_DIR = Path(env.str("FLASHSALE_REPORTS_DIR", default=str(BASE_DIR / "reports")))
 # Simulated work inside each critical section (ms); for demonstrating lock expiry and races.
 FLASHSALE_HOLD_DELAY_MS = env.int("FLASHSALE_HOLD_DELAY_MS", default=0)
 # Delay between the read and the write of `unsafe` (ms): widens its race window.

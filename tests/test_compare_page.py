@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from django.contrib.auth.models import User
 from django.test import Client
@@ -99,8 +101,8 @@ def test_bad_start_parameters_start_nothing(staff_client):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_run_started_from_the_page_runs_on_a_worker_and_appears(staff_client):
-    worker = CeleryWorker(server_env(), concurrency=1).start()
+def test_a_run_started_from_the_page_runs_on_a_worker_and_appears(staff_client, tmp_path):
+    worker = CeleryWorker(server_env(FLASHSALE_REPORTS_DIR=tmp_path), concurrency=1).start()
     try:
         response = staff_client.post(
             "/admin/compare/",
@@ -112,7 +114,9 @@ def test_a_run_started_from_the_page_runs_on_a_worker_and_appears(staff_client):
 
         def finished() -> bool:
             runs = SaleRun.objects.all()
-            return runs.count() == 2 and not runs.filter(status=SaleRun.Status.RUNNING).exists()
+            done = runs.count() == 2 and not runs.filter(status=SaleRun.Status.RUNNING).exists()
+            # The report is written once every run is done: wait for it before stopping.
+            return done and (tmp_path / runs[0].batch / "report.html").exists()
 
         assert wait_until(finished, timeout=120, interval=1)
     finally:
@@ -121,6 +125,13 @@ def test_a_run_started_from_the_page_runs_on_a_worker_and_appears(staff_client):
     assert "is done" in done and done.count('role="img"') == 5
     lua = SaleRun.objects.get(strategy="lua")
     assert lua.status == SaleRun.Status.DONE and lua.oversold == 0 and lua.accepted_units == 10
+    # The batch's report went where the worker's FLASHSALE_REPORTS_DIR says, and parses.
+    report = tmp_path / lua.batch
+    assert {"runs.csv", "runs.json", "report.html"} <= {path.name for path in report.iterdir()}
+    assert [run["strategy"] for run in json.loads((report / "runs.json").read_text())["runs"]] == [
+        "baseline",
+        "lua",
+    ]
 
 
 def test_a_batch_delivered_again_is_not_run_again():
