@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -14,6 +15,7 @@ from django.utils import timezone
 from . import stock
 from .exceptions import (
     Busy,
+    CheckoutError,
     InvalidRequest,
     LimitReached,
     NotOnSale,
@@ -46,11 +48,28 @@ def place_order(
     Raises UnknownSku, NotOnSale, SoldOut, LimitReached, Busy or InvalidRequest (an idempotency
     key reused for a different checkout). Retrying with the same idempotency key returns the
     same order, even when the retries race each other.
+
+    The key is not looked up first: the sale statement stores it under a unique constraint, so
+    a retry of an accepted checkout either collides with the stored key (nothing is written)
+    or is refused (sold out, limit reached, busy) before it gets that far. Only then is the
+    earlier order read, so a first checkout with a key costs what one without does.
     """
-    if idempotency_key:
+    # Inside a caller's transaction a savepoint keeps it usable after a refused statement.
+    scope = transaction.atomic() if connection.in_atomic_block else nullcontext()
+    try:
+        with scope:
+            order = _sell(sku=sku, qty=qty, buyer=buyer, idempotency_key=idempotency_key)
+    except (CheckoutError, IntegrityError):
         replay = _replay(idempotency_key, sku=sku, qty=qty, buyer=buyer)
-        if replay is not None:
-            return CheckoutResult(order=replay, created=False)
+        if replay is None:
+            raise
+        return CheckoutResult(order=replay, created=False)
+    # Outside any transaction this runs at once: the order row is committed by now.
+    transaction.on_commit(lambda: order_placed(order.pk))
+    return CheckoutResult(order=order, created=True)
+
+
+def _sell(*, sku: str, qty: int, buyer: str, idempotency_key: str | None) -> Order:
     found = checkout_item(sku)
     if found is None:
         raise UnknownSku(sku)
@@ -78,7 +97,7 @@ def place_order(
         )
 
     try:
-        order = get_strategy(item.strategy).take(item=item, qty=qty, buyer=buyer, record=record)
+        return get_strategy(item.strategy).take(item=item, qty=qty, buyer=buyer, record=record)
     except stock.RowLockTimeout:
         raise Busy(
             f"{sku}: its stock rows stayed locked by another transaction for "
@@ -88,18 +107,15 @@ def place_order(
     except IntegrityError as exc:
         if _violated_constraint(exc) == ALLOWANCE_LIMIT_CONSTRAINT:
             raise LimitReached(sku=sku, limit=limit or 0) from None
-        if idempotency_key:
-            replay = _replay(idempotency_key, sku=sku, qty=qty, buyer=buyer)
-            if replay is not None:
-                return CheckoutResult(order=replay, created=False)
         raise
-    # Outside any transaction this runs at once: the order row is committed by now.
-    transaction.on_commit(lambda: order_placed(order.pk))
-    return CheckoutResult(order=order, created=True)
 
 
-def _replay(key: str, *, sku: str, qty: int, buyer: str) -> Order | None:
-    order = Order.objects.select_related("item").filter(idempotency_key=key).first()
+def _replay(key: str | None, *, sku: str, qty: int, buyer: str) -> Order | None:
+    """The order an earlier checkout with this key placed, if any; InvalidRequest when that
+    checkout was for something else."""
+    if not key:
+        return None
+    order = Order.objects.select_related("item").filter(idempotency_key=key).order_by().first()
     if order is None:
         return None
     if (order.item.sku, order.qty, order.buyer) != (sku, qty, buyer):

@@ -81,6 +81,60 @@ def test_same_idempotency_key_returns_the_same_order(client):
     assert Item.objects.get(sku="widget").stock == 4
 
 
+@pytest.mark.parametrize(
+    "autocommit",
+    # as a server runs it, and inside a caller's transaction (a refused statement must not
+    # leave that transaction unusable for the read of the earlier order)
+    [pytest.param(True, marks=pytest.mark.django_db(transaction=True)), False],
+    ids=["autocommit", "in-transaction"],
+)
+@pytest.mark.parametrize("strategy", ["lock", "segmented", "lua", "optimistic"])
+def test_a_retry_gets_its_order_back_after_the_sale_sold_out_and_the_limit_is_reached(
+    client, strategy, autocommit
+):
+    assert connection.in_atomic_block is not autocommit
+    start_sale(sku="widget", stock=2, strategy=strategy, limit=1)
+    first = _checkout(client, sku="widget", qty=1, buyer="ann", idempotency_key="k-ann")
+    assert first.status_code == 201
+    # ann is at her limit: a new checkout of hers is refused, her retry is not
+    refused = _checkout(client, sku="widget", qty=1, buyer="ann", idempotency_key="k-ann-2")
+    assert refused.status_code == 409 and refused.json()["error"] == "limit_reached"
+    again = _checkout(client, sku="widget", qty=1, buyer="ann", idempotency_key="k-ann")
+    assert again.status_code == 201 and again.json() == first.json()
+    assert again["Idempotent-Replayed"] == "true"
+
+    # Sold out: a retry still gets its order; the key used for another checkout is refused
+    assert _checkout(client, sku="widget", qty=1, buyer="bob").status_code == 201
+    assert _checkout(client, sku="widget", qty=1, buyer="cy").json()["error"] == "sold_out"
+    again = _checkout(client, sku="widget", qty=1, buyer="ann", idempotency_key="k-ann")
+    assert again.status_code == 201 and again.json() == first.json()
+    reused = _checkout(client, sku="widget", qty=1, buyer="cy", idempotency_key="k-ann")
+    assert reused.status_code == 400 and reused.json()["error"] == "invalid"
+
+    assert Order.objects.count() == 2
+    audit = _audit("widget")
+    assert audit["accepted_units"] == 2 and audit["oversold"] == 0 and audit["consistent"]
+    assert audit["db_stock"] == 0 and audit["redis_stock"] in (0, None)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_key_costs_no_query_until_a_checkout_is_refused_or_repeated(client):
+    from django.test.utils import CaptureQueriesContext
+
+    start_sale(sku="widget", stock=5, strategy="lua")
+
+    def queries(**body) -> int:
+        with CaptureQueriesContext(connection) as captured:
+            assert _checkout(client, sku="widget", qty=1, **body).status_code == 201
+        return len(captured)
+
+    # the item read and the sale statement, with a key or without
+    assert queries(buyer="ann") == queries(buyer="bob", idempotency_key="k-bob") == 2
+    # a retry: those, and the read of the order the key already names
+    assert queries(buyer="bob", idempotency_key="k-bob") == 3
+    assert Order.objects.count() == 2 and Item.objects.get(sku="widget").stock == 3
+
+
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("strategy", ["lock", "segmented", "lua", "optimistic"])
 def test_concurrent_retries_with_one_key_make_one_order(strategy):
