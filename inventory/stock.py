@@ -23,6 +23,7 @@ from typing import Any
 import psycopg
 from django.conf import settings
 from django.db import DatabaseError, OperationalError, connection
+from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 from django.db.models import F
 from django.utils import timezone
 
@@ -201,11 +202,21 @@ def prepared_cursor() -> Any:
     """
     connection.ensure_connection()
     raw = _PreparingCursor(connection.connection)
-    return (
-        connection.make_debug_cursor(raw)
-        if connection.queries_logged
-        else connection.make_cursor(raw)
-    )
+    if connection.queries_logged:
+        return _PreparedDebugWrapper(raw, connection)
+    return connection.make_cursor(raw)
+
+
+class _PreparedDebugWrapper(CursorDebugWrapper):
+    """Django's debug cursor, logging the statement with its parameters filled in.
+
+    Django reads the text of what ran back from the cursor, which a server-binding cursor does
+    not keep: it would log None (in `connection.queries`, the debug toolbar, the SQL log).
+    """
+
+    def execute(self, sql, params=None):  # type: ignore[override]
+        with self.debug_sql(self.db.ops.compose_sql(sql, params), params):
+            return CursorWrapper.execute(self, sql, params)
 
 
 @cache

@@ -197,6 +197,22 @@ def test_a_checkout_prepares_its_two_statements_once_per_connection(strategy):
     assert Order.objects.filter(item__sku=f"prep-{strategy}").count() == 3
 
 
+def test_the_debug_log_shows_the_prepared_statements_with_their_parameters():
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    start_sale(sku="logged", stock=10, strategy="lua")
+    with CaptureQueriesContext(connection) as captured:
+        place_order(sku="logged", qty=2, buyer="ann-logged", idempotency_key="key-logged")
+
+    # What `connection.queries` (and the debug toolbar, and the SQL log) show: the text that
+    # ran, values in place, not None
+    read, sale = (query["sql"] for query in captured)
+    assert read.startswith("SELECT") and "WHERE i.sku = 'logged'" in read
+    assert sale.startswith("WITH") and "'ann-logged'" in sale and "'key-logged'" in sale
+    assert Order.objects.get(idempotency_key="key-logged").qty == 2
+
+
 def test_prepared_statements_can_be_turned_off_for_a_pooler():
     start_sale(sku="unprepared", stock=10, strategy="lua")
 
