@@ -40,7 +40,7 @@ class ReadOnlyAdminMixin:
 class StockShardInline(ReadOnlyAdminMixin, admin.TabularInline):
     model = StockShard
     extra = 0
-    fields = ["index", "stock", "version"]
+    fields = ["sale", "index", "stock", "version"]
     readonly_fields = fields
     can_delete = False
 
@@ -51,7 +51,7 @@ class ItemAdmin(admin.ModelAdmin):
         "sku",
         "name",
         "price",
-        "stock",
+        "units_left",
         "strategy_name",
         "per_buyer_limit",
         "shard_count",
@@ -65,6 +65,7 @@ class ItemAdmin(admin.ModelAdmin):
         "name",
         "price",
         "strategy",
+        "units_left",
         "stock",
         "per_buyer_limit",
         "shard_count",
@@ -75,6 +76,14 @@ class ItemAdmin(admin.ModelAdmin):
     # Only the display fields are editable here: stock, strategy and limit change through
     # `sale start`, which keeps shards, Redis and allowances in step.
     readonly_fields = [name for name in fields if name not in ("sku", "name", "price")]
+
+    def get_queryset(self, request: HttpRequest):
+        return super().get_queryset(request).with_units_left()
+
+    @admin.display(description="units left", ordering="derived_units_left")
+    def units_left(self, item: Item) -> int:
+        return item.units_left
+
     inlines = [StockShardInline]
 
     def get_readonly_fields(self, request: HttpRequest, obj: Item | None = None) -> list[str]:

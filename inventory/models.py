@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from django.db import models
 from django.db.models import Q
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 
@@ -20,11 +21,34 @@ class Strategy(models.TextChoices):
     UNSAFE = "unsafe", "unsafe: read-modify-write, no lock (oversells)"
 
 
+class ItemQuerySet(models.QuerySet):
+    def with_units_left(self) -> ItemQuerySet:
+        """Annotate each item with the units its current sale has left (`Item.units_left`)."""
+        rows = (
+            StockShard.objects.filter(sale_id=models.OuterRef("current_sale_id"))
+            .order_by()
+            .values("sale_id")
+            .annotate(total=models.Sum("stock"))
+            .values("total")
+        )
+        return self.annotate(
+            derived_units_left=models.Case(
+                models.When(shard_count=0, then=models.F("stock")),
+                default=Coalesce(models.Subquery(rows), 0),
+            )
+        )
+
+
 class Item(models.Model):
     sku = models.SlugField(max_length=64, unique=True)
     name = models.CharField(max_length=200)
     price = models.DecimalField(max_digits=10, decimal_places=2, default=0)
-    stock = models.IntegerField(default=0, help_text="Units left, per the database.")
+    stock = models.IntegerField(
+        default=0,
+        help_text="Units left, per the database, for an item sold from this row alone; for one "
+        "sold from stock rows (shard_count > 0) the sale's starting stock, folded in again by "
+        "`sale reconcile`: its units left are the sum of its rows (units_left).",
+    )
     version = models.BigIntegerField(default=0, help_text="Bumped by every stock write.")
     strategy = models.CharField(max_length=16, choices=Strategy.choices, default=Strategy.LOCK)
     per_buyer_limit = models.PositiveIntegerField(
@@ -37,6 +61,8 @@ class Item(models.Model):
         "Sale", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
     created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = ItemQuerySet.as_manager()
 
     class Meta:
         ordering = ["sku"]
@@ -52,19 +78,44 @@ class Item(models.Model):
     def __str__(self) -> str:
         return self.sku
 
+    @property
+    def units_left(self) -> int:
+        """Units the current sale has left in the database (the system of record).
+
+        The item row's stock, or for an item sold from stock rows the sum of its current sale's
+        rows. Read from the `with_units_left()` annotation when the item was loaded with it.
+        """
+        annotated = self.__dict__.get("derived_units_left")
+        if annotated is not None:
+            return annotated
+        if not self.shard_count:
+            return self.stock
+        total = StockShard.objects.filter(sale_id=self.current_sale_id).aggregate(
+            total=models.Sum("stock")
+        )["total"]
+        return total or 0
+
 
 class StockShard(models.Model):
-    """One slice of an item's stock; the shards of an item always add up to its stock."""
+    """One stock row of a sale: a `segmented` shard or a `lua` stripe.
+
+    For an item sold from stock rows these rows are the system of record for its units: a sale
+    decrements its row(s) and never the item row, so buyers contend on one row in
+    `shard_count`, not all on one. The item's stock is derived: the sum of its current sale's
+    rows (`Item.units_left`). Rows belong to one sale: a restarted sale gets new rows, and a
+    checkout still in flight for the old sale can only take the old sale's units.
+    """
 
     item = models.ForeignKey(Item, on_delete=models.CASCADE, related_name="shards")
+    sale = models.ForeignKey("Sale", on_delete=models.CASCADE, related_name="shards")
     index = models.PositiveSmallIntegerField()
     stock = models.IntegerField(default=0)
     version = models.BigIntegerField(default=0)
 
     class Meta:
-        ordering = ["item", "index"]
+        ordering = ["sale", "index"]
         constraints = [
-            models.UniqueConstraint(fields=["item", "index"], name="shard_unique_index"),
+            models.UniqueConstraint(fields=["sale", "index"], name="shard_unique_sale_index"),
             models.CheckConstraint(condition=Q(stock__gte=0), name="shard_stock_not_negative"),
         ]
 
@@ -155,16 +206,17 @@ class PaymentAttempt(models.Model):
 
 
 class BuyerAllowance(models.Model):
-    """Units a buyer holds of an item, capped by the database at the item's limit."""
+    """Units a buyer holds in one sale of an item, capped by the database at the sale's limit."""
 
     item = models.ForeignKey(Item, on_delete=models.CASCADE, related_name="allowances")
+    sale = models.ForeignKey("Sale", on_delete=models.CASCADE, related_name="allowances")
     buyer = models.CharField(max_length=64)
     units = models.PositiveIntegerField(default=0)
     unit_limit = models.PositiveIntegerField()
 
     class Meta:
         constraints = [
-            models.UniqueConstraint(fields=["item", "buyer"], name="allowance_unique_buyer"),
+            models.UniqueConstraint(fields=["sale", "buyer"], name="allowance_unique_sale_buyer"),
             models.CheckConstraint(
                 condition=Q(units__lte=models.F("unit_limit")), name="allowance_within_limit"
             ),

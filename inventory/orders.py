@@ -30,7 +30,7 @@ from kombu.exceptions import KombuError
 
 from . import stock
 from .breaker import broker_breaker
-from .models import LIVE_STATUSES, Item, Order, OrderStatus, PaymentAttempt, StockShard
+from .models import LIVE_STATUSES, Item, Order, OrderStatus, PaymentAttempt
 from .redis_client import REDIS_DOWN_ERRORS
 from .strategies import get_strategy
 
@@ -265,52 +265,53 @@ def sweep_orders(*, now=None, batch: int = 1000) -> SweepReport:
 
 
 def reconcile_sale(sku: str) -> list[str]:
-    """Recompute what is left from the orders; repair the item row, its shards and Redis.
+    """Recompute what is left from the orders; repair the stock rows or item row, and Redis.
 
+    For an item sold from stock rows, also folds their total into the item row's stock.
     Returns one line per change made (empty when everything already agreed).
     """
     changes: list[str] = []
     with transaction.atomic():
-        # The row locks (shards first, then the item: the order every stock write keeps) hold
-        # back checkouts, payments and expiries of this item, so the orders read below are
-        # exactly those behind its stock.
-        list(
-            StockShard.objects.select_for_update(of=("self",))
-            .filter(item__sku=sku)
-            .order_by("index")
-            .values_list("pk", flat=True)
-        )
-        item = (
-            Item.objects.select_for_update(of=("self",)).select_related("current_sale").get(sku=sku)
-        )
+        # The row locks (the sale's stock rows in index order, then the item: no writer locks
+        # them the other way round) hold back checkouts, payments and expiries of this sale, so
+        # the orders read below are exactly those behind its stock. The item row is locked FOR
+        # NO KEY UPDATE: an order insert's foreign-key check does not wait for it.
+        item = Item.objects.select_related("current_sale").get(sku=sku)
         sale = item.current_sale
         if sale is None:
             return changes
+        levels = stock.shard_stocks(sale.pk, for_update=True)
+        item = (
+            Item.objects.select_for_update(of=("self",), no_key=True)
+            .select_related("current_sale")
+            .get(pk=item.pk)
+        )
+        if item.current_sale_id != sale.pk:
+            return changes  # restarted meanwhile: the new sale is reconciled on the next pass
         live = Order.objects.filter(sale=sale, status__in=LIVE_STATUSES)
         accepted = live.aggregate(units=Sum("qty"))["units"] or 0
         expected = sale.initial_stock - accepted
         if expected < 0:
             changes.append(f"{sku}: oversold by {-expected} units; nothing to repair it with")
             return changes
-        if item.stock != expected:
-            changes.append(f"{sku}: database stock {item.stock} -> {expected}")
-            Item.objects.filter(pk=item.pk).update(stock=expected)
-            item.stock = expected
         if item.shard_count:
-            expected_shards = dict(
-                enumerate(stock.split_stock(sale.initial_stock, item.shard_count))
-            )
+            expected_rows = dict(enumerate(stock.split_stock(sale.initial_stock, item.shard_count)))
             for shard_units in live.exclude(shard_units=None).values_list("shard_units", flat=True):
                 for index, units in shard_units.items():
-                    expected_shards[int(index)] -= units
-            for index, units in sorted(stock.shard_stocks(item.pk).items()):
-                if units != expected_shards[index] and expected_shards[index] >= 0:
-                    changes.append(f"{sku}: shard {index} {units} -> {expected_shards[index]}")
-                    stock.set_shard_stock(item.pk, index, expected_shards[index])
+                    expected_rows[int(index)] -= units
+            for index, units in sorted(levels.items()):
+                if units != expected_rows[index] and expected_rows[index] >= 0:
+                    changes.append(f"{sku}: stock row {index} {units} -> {expected_rows[index]}")
+                    stock.set_shard_stock(sale.pk, index, expected_rows[index])
+        if item.stock != expected:
+            if not item.shard_count:
+                changes.append(f"{sku}: database stock {item.stock} -> {expected}")
+            Item.objects.filter(pk=item.pk).update(stock=expected)
+            item.stock = expected
     strategy = get_strategy(item.strategy)
     if strategy.counts_in_redis:
         before = strategy.redis_stock(item=item)
-        if before != item.stock:
+        if before != expected:
             strategy.sync_redis(item=item)
             changes.append(f"{sku}: Redis stock {before} -> {strategy.redis_stock(item=item)}")
     return changes

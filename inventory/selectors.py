@@ -16,19 +16,27 @@ from .strategies import get_strategy
 
 def get_item(sku: str) -> Item:
     try:
-        return Item.objects.select_related("current_sale").get(sku=sku)
+        return Item.objects.with_units_left().select_related("current_sale").get(sku=sku)
     except Item.DoesNotExist:
         raise UnknownSku(sku) from None
 
 
 def items_on_sale() -> QuerySet[Item]:
     """Items with a current sale (started or about to open), as the storefront lists them."""
-    return Item.objects.select_related("current_sale").filter(current_sale__isnull=False)
+    return (
+        Item.objects.with_units_left()
+        .select_related("current_sale")
+        .filter(current_sale__isnull=False)
+    )
 
 
 def items_by_sku(skus: list[str]) -> list[Item]:
     """The items named, in the order named (unknown ones left out, repeats once)."""
-    found = Item.objects.select_related("current_sale").in_bulk(skus, field_name="sku")
+    found = (
+        Item.objects.with_units_left()
+        .select_related("current_sale")
+        .in_bulk(skus, field_name="sku")
+    )
     return [found[sku] for sku in dict.fromkeys(skus) if sku in found]
 
 
@@ -46,7 +54,7 @@ def item_payload(item: Item) -> dict[str, Any]:
         "sku": item.sku,
         "name": item.name,
         "price": str(item.price),
-        "stock": item.stock,
+        "stock": item.units_left,
         "strategy": item.strategy,
         "per_buyer_limit": item.per_buyer_limit,
         "initial_stock": sale.initial_stock if sale else None,
@@ -91,7 +99,8 @@ def audit_sale(sku: str) -> dict[str, Any]:
     }
     accepted = sum(units for status, (_, units) in by_status.items() if status in LIVE_STATUSES)
     initial = sale.initial_stock
-    shards = shard_stocks(item.pk) if item.shard_count else None
+    shards = shard_stocks(sale.pk) if item.shard_count else None
+    db_stock = sum(shards.values()) if shards is not None else item.stock
     redis_stock = redis_stock_of(item)
     counts_in_redis = get_strategy(item.strategy).counts_in_redis
     return {
@@ -104,12 +113,12 @@ def audit_sale(sku: str) -> dict[str, Any]:
         ),
         "oversold": max(0, accepted - initial),
         "remaining": max(0, initial - accepted),
-        "db_stock": item.stock,
+        "db_stock": db_stock,
         "redis_stock": redis_stock,
-        "shard_stock": sum(shards.values()) if shards is not None else None,
-        "consistent": item.stock == initial - accepted
-        and (shards is None or sum(shards.values()) == item.stock)
-        and (not counts_in_redis or redis_stock == item.stock),
+        "shard_stock": db_stock if shards is not None else None,
+        "stock_rows": shards,
+        "consistent": db_stock == initial - accepted
+        and (not counts_in_redis or redis_stock == db_stock),
         "fallback_orders": orders.filter(fallback=True).count(),
         "orders_by_status": {status: by_status.get(status, (0, 0))[0] for status in OrderStatus},
         "units_by_status": {status: by_status.get(status, (0, 0))[1] for status in OrderStatus},

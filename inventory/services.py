@@ -22,7 +22,7 @@ from .exceptions import (
     NotStarted,
     UnknownSku,
 )
-from .models import BuyerAllowance, Item, Order, Sale, StockShard
+from .models import Item, Order, Sale, StockShard
 from .orders import order_placed
 from .redis_client import REDIS_DOWN_ERRORS, get_redis_client, redis_key
 from .stock import Sold, split_stock
@@ -175,8 +175,14 @@ def start_sale(
     price: Decimal | None = None,
     opens_in: float = 0,
 ) -> Sale:
-    """(Re)start the sale of sku: create the item if new, set stock, strategy and limit, clear
-    its earlier orders, split its shards, and warm Redis once committed.
+    """(Re)start the sale of sku: create the item if new, open a new sale with its stock,
+    strategy and limit (and stock rows of its own when the strategy keeps them), and warm Redis
+    once committed. Earlier sales keep their orders, stock rows and allowances as history.
+
+    Safe while checkouts of the previous sale are in flight: the item row is locked without
+    blocking their foreign-key checks (FOR NO KEY UPDATE), and nothing they may hold locked is
+    touched. A sale statement that read the item before the restart refuses (it guards the sale
+    it was read for), so no unit is taken from one sale and recorded under another.
 
     Raises InvalidRequest for a bad argument; nothing is written then.
     """
@@ -184,12 +190,9 @@ def start_sale(
     if not 0 <= opens_in <= 7 * 24 * 3600:
         raise InvalidRequest("opens in: from 0 seconds to a week")
     selling = get_strategy(strategy)
-    item, _ = Item.objects.select_for_update().get_or_create(
+    item, _ = Item.objects.select_for_update(no_key=True).get_or_create(
         sku=sku, defaults={"name": name or sku.replace("-", " ").title()}
     )
-    Order.objects.filter(item=item).delete()
-    BuyerAllowance.objects.filter(item=item).delete()
-    StockShard.objects.filter(item=item).delete()
     sale = Sale.objects.create(
         item=item,
         initial_stock=stock,
@@ -213,7 +216,7 @@ def start_sale(
     item.save(update_fields=fields)
     if item.shard_count:
         StockShard.objects.bulk_create(
-            StockShard(item=item, index=index, stock=units)
+            StockShard(item=item, sale=sale, index=index, stock=units)
             for index, units in enumerate(split_stock(stock, item.shard_count))
         )
     transaction.on_commit(lambda: warm_redis(item))

@@ -2,12 +2,17 @@
 
 Every decrement here is a conditional UPDATE (`stock >= qty`, and a version check where the
 caller read one), so a write made on stale information changes nothing instead of overselling.
-Writes that touch an item's shards lock the shards first, in index order, and the item row last,
-so two of them can never deadlock.
+
+Where an item's units live: an item sold by `segmented` or `lua` keeps them in stock rows
+(`StockShard`, one set per sale: shards or stripes), and a sale writes only the rows it takes
+from, never the item row, so buyers on different rows never queue behind each other. Every
+other item keeps them in its own row. Lock order: writes that touch several stock rows lock
+them in index order; the reconciler locks a sale's rows before the item row; nothing locks the
+item row and then a stock row. So no two writers can deadlock.
 
 A sale is one SQL statement (`sell`): the guarded decrements, the buyer's allowance and the
-order row, committed together or not at all. One statement means one round trip, and the hot
-item row stays locked only from its UPDATE to the commit that ends the same statement, never
+order row, committed together or not at all. One statement means one round trip, and a row it
+decrements stays locked only from its UPDATE to the commit that ends the same statement, never
 across a round trip to the client.
 """
 
@@ -74,8 +79,9 @@ class Sold:
 
     item: Item
     order_fields: dict[str, Any]
-    item_stock: int
-    #: Units left on each shard the sale took from (empty when it took from none).
+    #: Units left on the item row (None when the sale took from stock rows instead).
+    item_stock: int | None
+    #: Units left on each stock row the sale took from (empty when it took from none).
     shard_levels: dict[int, int] = field(default_factory=dict)
 
     @cached_property
@@ -109,16 +115,24 @@ def sell(
     expected_version: int | None = None,
     set_stock: int | None = None,
 ) -> Sold | None:
-    """Take qty units of item and write the buyer's order, in one statement; None if refused.
+    """Take qty units of item's current sale and write the buyer's order, in one statement.
 
-    The item row's decrement is guarded by `stock >= qty` (and `version = expected_version`
-    when given); each shard in `shard_units` by `stock >= units`. Either every guard passes and
-    everything is written (decrements, the buyer's allowance when the item has a per-buyer
-    `limit`, the order row), or nothing is: a refusal returns None, a refusal that comes after
-    some shards were decremented aborts the statement and raises HalfDone.
+    Where the units come from:
+    - an item sold from stock rows (`item.shard_count > 0`) gives `shard_units`, the units to
+      take from each of its sale's rows; each row's decrement is guarded by `stock >= units`,
+      and the item row is only read (is this sale still the item's current one?), never
+      written, so buyers on different rows never wait for each other;
+    - any other item takes qty from the item row, guarded by `stock >= qty` (and by
+      `version = expected_version` when given) and by the sale still being current.
 
-    `set_stock` replaces the guarded decrement by an absolute, unguarded write of the item's
-    stock: the lost update that `unsafe` and the lock's pitfall toggle demonstrate.
+    Either every guard passes and everything is written (decrements, the buyer's allowance for
+    the sale when `limit` is set, the order row), or nothing is: a refusal returns None; a
+    refusal that comes after some rows were decremented aborts the statement and raises
+    HalfDone. A sale restarted since `item` was read refuses (the units it would take belong
+    to another sale).
+
+    `set_stock` replaces the item row's guarded decrement by an absolute, unguarded write: the
+    lost update that `unsafe` and the lock's pitfall toggle demonstrate.
 
     Raises IntegrityError when the allowance would pass the limit (constraint
     `allowance_within_limit`) or the idempotency key is taken, and RowLockTimeout when a row
@@ -127,6 +141,13 @@ def sell(
     is part of it, and the lock timeout it sets holds until that transaction ends.
     """
     shards = sorted((shard_units or {}).items())
+    if shards and (expected_version is not None or set_stock is not None):
+        raise ValueError("a sale from stock rows takes no item version and no absolute stock")
+    if bool(shards) != bool(item.shard_count):
+        raise ValueError(
+            f"{item.sku} keeps {item.shard_count} stock rows: "
+            f"{'name the rows to take from' if item.shard_count else 'it has none to take from'}"
+        )
     units = {str(index): units for index, units in shards} or None
     now = timezone.now()
     params: dict[str, object] = {
@@ -228,27 +249,34 @@ def _sale_sql(shard_count: int, *, absolute: bool, versioned: bool, limited: boo
     bounded = " AND EXISTS (SELECT 1 FROM bound)"
     ctes += [
         f"s{n} AS (UPDATE {_SHARD} SET stock = stock - %(su{n})s, version = version + 1"
-        f" WHERE item_id = %(item)s AND index = %(si{n})s AND stock >= %(su{n})s{bounded}"
+        f" WHERE sale_id = %(sale)s AND index = %(si{n})s AND stock >= %(su{n})s{bounded}"
         " RETURNING index, stock)"
         for n in range(shard_count)
     ]
-    if absolute:
-        assignment, guard = "stock = %(set_stock)s", bounded
+    current = " AND current_sale_id = %(sale)s"
+    if shard_count:
+        # Stock rows: the item row is read, not written (a plain read takes no row lock).
+        taken = "".join(f" AND EXISTS (SELECT 1 FROM s{n})" for n in range(shard_count))
+        ctes.append(
+            f"taken AS (SELECT NULL::integer AS stock FROM {_ITEM}"
+            f" WHERE id = %(item)s{current}{taken})"
+        )
     else:
-        assignment, guard = "stock = stock - %(qty)s", f" AND stock >= %(qty)s{bounded}"
-    if versioned:
-        guard += " AND version = %(version)s"
-    # Shards first: the item row is locked only once every shard is ours (the lock order).
-    guard += "".join(f" AND EXISTS (SELECT 1 FROM s{n})" for n in range(shard_count))
-    ctes.append(
-        f"taken AS (UPDATE {_ITEM} SET {assignment}, version = version + 1"
-        f" WHERE id = %(item)s{guard} RETURNING stock)"
-    )
+        if absolute:
+            assignment, guard = "stock = %(set_stock)s", bounded
+        else:
+            assignment, guard = "stock = stock - %(qty)s", f" AND stock >= %(qty)s{bounded}"
+        if versioned:
+            guard += " AND version = %(version)s"
+        ctes.append(
+            f"taken AS (UPDATE {_ITEM} SET {assignment}, version = version + 1"
+            f" WHERE id = %(item)s{current}{guard} RETURNING stock)"
+        )
     if limited:
         ctes.append(
-            f"allowance AS (INSERT INTO {_ALLOWANCE} (item_id, buyer, units, unit_limit)"
-            " SELECT %(item)s, %(buyer)s, %(qty)s, %(limit)s FROM taken"
-            f" ON CONFLICT (item_id, buyer) DO UPDATE SET units = {_ALLOWANCE}.units"
+            f"allowance AS (INSERT INTO {_ALLOWANCE} (item_id, sale_id, buyer, units, unit_limit)"
+            " SELECT %(item)s, %(sale)s, %(buyer)s, %(qty)s, %(limit)s FROM taken"
+            f" ON CONFLICT (sale_id, buyer) DO UPDATE SET units = {_ALLOWANCE}.units"
             " + EXCLUDED.units)"
         )
     ctes.append(
@@ -276,29 +304,36 @@ _ALLOWANCE = BuyerAllowance._meta.db_table
 
 
 def return_units(order: Order) -> None:
-    """Put a failed or expired order's units back on its item, its shards and its buyer's
-    allowance. Call once, in the transaction that moves the order to failed or expired."""
+    """Put a failed or expired order's units back where its sale took them from, and take them
+    off its buyer's allowance. Call once, in the transaction that moves the order to failed or
+    expired.
+
+    Units taken from stock rows go back to those rows (they belong to the order's sale alone).
+    Units taken from the item row go back only while the order's sale is still the item's
+    current one: a restarted sale set the row afresh, and the old sale's units are not its own.
+    """
     for index, units in sorted((int(i), u) for i, u in (order.shard_units or {}).items()):
-        StockShard.objects.filter(item_id=order.item_id, index=index).update(
+        StockShard.objects.filter(sale_id=order.sale_id, index=index).update(
             stock=F("stock") + units, version=F("version") + 1
         )
-    Item.objects.filter(pk=order.item_id).update(
-        stock=F("stock") + order.qty, version=F("version") + 1
-    )
-    BuyerAllowance.objects.filter(item_id=order.item_id, buyer=order.buyer).update(
+    if not order.shard_units:
+        Item.objects.filter(pk=order.item_id, current_sale_id=order.sale_id).update(
+            stock=F("stock") + order.qty, version=F("version") + 1
+        )
+    BuyerAllowance.objects.filter(sale_id=order.sale_id, buyer=order.buyer).update(
         units=F("units") - order.qty
     )
 
 
-def set_shard_stock(item_id: int, index: int, units: int) -> None:
-    StockShard.objects.filter(item_id=item_id, index=index).update(
+def set_shard_stock(sale_id: int, index: int, units: int) -> None:
+    StockShard.objects.filter(sale_id=sale_id, index=index).update(
         stock=units, version=F("version") + 1
     )
 
 
-def shard_stocks(item_id: int, *, for_update: bool = False) -> dict[int, int]:
-    """Units on each of the item's shards; `for_update` locks them, in index order."""
-    shards = StockShard.objects.filter(item_id=item_id).order_by("index")
+def shard_stocks(sale_id: int | None, *, for_update: bool = False) -> dict[int, int]:
+    """Units on each stock row of a sale; `for_update` locks them, in index order."""
+    shards = StockShard.objects.filter(sale_id=sale_id).order_by("index")
     if for_update:
         shards = shards.select_for_update()
     return dict(shards.values_list("index", "stock"))

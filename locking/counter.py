@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from . import scripts
@@ -31,6 +31,7 @@ class StockCounter:
     def __init__(self, redis: Any) -> None:
         self.redis = redis
         self._take = scripts.script_for(redis, scripts.STOCK_TAKE)
+        self._take_spread = scripts.script_for(redis, scripts.STOCK_TAKE_SPREAD)
         self._give_back = scripts.script_for(redis, scripts.STOCK_GIVE_BACK)
         self._give_back_once = scripts.script_for(redis, scripts.STOCK_GIVE_BACK_ONCE)
 
@@ -41,6 +42,34 @@ class StockCounter:
         counter is unchanged). Raises ValueError unless ``qty`` is a positive int.
         """
         return int(self._take(keys=[key], args=[_positive_qty(qty)], client=self.redis))
+
+    def take_spread(self, cursor: str, keys: Sequence[str], qty: int) -> dict[int, int] | None:
+        """Take ``qty`` units from the counters ``keys`` (one per stock row) in one script.
+
+        Returns the units taken per position in ``keys``: from a single counter that holds
+        them all when there is one (the counters are tried in turn, ``cursor`` keeping the
+        turn), else from several, lowest position first; an empty dict when the counters hold
+        fewer than ``qty`` together (nothing taken); None when a counter does not exist
+        (nothing taken). Raises ValueError unless ``qty`` is a positive int.
+        """
+        if not keys:
+            raise ValueError("take_spread needs at least one counter")
+        reply = self._take_spread(
+            keys=[cursor, *keys], args=[_positive_qty(qty)], client=self.redis
+        )
+        if reply[0] == self.MISSING:
+            return None
+        if reply[0] == self.INSUFFICIENT:
+            return {}
+        return {int(reply[i]): int(reply[i + 1]) for i in range(0, len(reply), 2)}
+
+    def give_back_many(self, amounts: Mapping[str, int]) -> None:
+        """Increment each counter by its amount (one round trip); missing counters stay
+        missing, as with :meth:`give_back`."""
+        pipe = self.redis.pipeline(transaction=False)
+        for key, qty in amounts.items():
+            self._give_back(keys=[key], args=[_positive_qty(qty)], client=pipe)
+        pipe.execute()
 
     def give_back(self, key: str, qty: int) -> int:
         """Increment ``key`` by ``qty``; returns the new value, or :attr:`MISSING`.

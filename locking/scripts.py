@@ -181,6 +181,56 @@ end
 return redis.call('decrby', KEYS[1], qty)
 """
 
+# KEYS[1] cursor (an integer key, created at 1 on first use), KEYS[2..n+1] the stock counters
+# of one item's n stock rows (index i is KEYS[i + 2])
+# ARGV[1] quantity (positive integer)
+# Returns {-2} when any counter does not exist, {-1, units left in all} when the counters
+# together hold less than the quantity (nothing changed then), otherwise the units taken as a
+# flat list {index, units, index, units, ...}: from one counter that holds the whole quantity
+# when one does (the first such counter at or after the cursor's position, so that takers
+# spread over the rows in turn), else from several, lowest index first. Every counter is read
+# and decremented in the one script, so concurrent takers cannot oversell any of them.
+STOCK_TAKE_SPREAD = """
+local n = #KEYS - 1
+local qty = tonumber(ARGV[1])
+local levels = redis.call('mget', unpack(KEYS, 2))
+local total = 0
+for i = 1, n do
+    if not levels[i] then
+        return {-2}
+    end
+    local level = tonumber(levels[i])
+    if not level then
+        return redis.error_reply('stock counter ' .. KEYS[i + 1] .. ' does not hold an integer')
+    end
+    levels[i] = level
+    total = total + level
+end
+if total < qty then
+    return {-1, total}
+end
+local start = redis.call('incr', KEYS[1]) % n
+for step = 0, n - 1 do
+    local i = (start + step) % n + 1
+    if levels[i] >= qty then
+        redis.call('decrby', KEYS[i + 1], qty)
+        return {i - 1, qty}
+    end
+end
+local taken = {}
+local needed = qty
+for i = 1, n do
+    if needed > 0 and levels[i] > 0 then
+        local units = math.min(levels[i], needed)
+        redis.call('decrby', KEYS[i + 1], units)
+        taken[#taken + 1] = i - 1
+        taken[#taken + 1] = units
+        needed = needed - units
+    end
+end
+return taken
+"""
+
 # KEYS[1] stock counter
 # ARGV[1] quantity (positive integer)
 # Returns -2 when the counter does not exist (it stays missing: INCRBY would create it

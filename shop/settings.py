@@ -149,7 +149,9 @@ FLASHSALE_STRATEGIES = {
 }
 # Every Redis key the shop writes starts with this (tests use their own).
 FLASHSALE_REDIS_PREFIX = env.str("FLASHSALE_REDIS_PREFIX", default="flashsale")
+# Stock rows per sale: `segmented`'s shards (each with its own lock) and `lua`'s stripes.
 FLASHSALE_SHARDS = env.int("FLASHSALE_SHARDS", default=10)
+FLASHSALE_STRIPES = env.int("FLASHSALE_STRIPES", default=10)
 FLASHSALE_MAX_QTY = env.int("FLASHSALE_MAX_QTY", default=100)
 # Lock: time to live, how long a buyer waits for it, and whether a watchdog renews it.
 FLASHSALE_LOCK_TTL_MS = env.int("FLASHSALE_LOCK_TTL_MS", default=5000)

@@ -38,7 +38,7 @@ def _units_held(item: Item, buyer: str) -> int:
     """Units buyer holds of item, as counted against its per-buyer limit (0 without a limit)."""
     if not buyer or item.per_buyer_limit is None:
         return 0
-    allowance = BuyerAllowance.objects.filter(item=item, buyer=buyer).first()
+    allowance = BuyerAllowance.objects.filter(sale_id=item.current_sale_id, buyer=buyer).first()
     return allowance.units if allowance else 0
 
 
@@ -84,7 +84,7 @@ def item_page(request: HttpRequest, sku: str) -> HttpResponse:
             return redirect("order", order_id=result.order.pk)
         if buyer and len(buyer) <= 64 and buyer.isprintable():
             request.session["buyer"] = buyer
-        item.refresh_from_db(fields=["stock"])
+        item = selectors.get_item(item.sku)
     limit = item.per_buyer_limit
     held = _units_held(item, buyer)
     limit_left = None if limit is None else max(0, limit - held)

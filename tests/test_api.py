@@ -74,11 +74,11 @@ def test_same_idempotency_key_returns_the_same_order(client):
     assert first.json() == again.json()
     assert again["Idempotent-Replayed"] == "true"
     assert Order.objects.count() == 1
-    assert Item.objects.get(sku="widget").stock == 4
+    assert Item.objects.get(sku="widget").units_left == 4
 
     reused = _checkout(client, sku="widget", qty=2, buyer="ann", idempotency_key="k-1")
     assert reused.status_code == 400 and reused.json()["error"] == "invalid"
-    assert Item.objects.get(sku="widget").stock == 4
+    assert Item.objects.get(sku="widget").units_left == 4
 
 
 @pytest.mark.parametrize(
@@ -132,7 +132,7 @@ def test_a_key_costs_no_query_until_a_checkout_is_refused_or_repeated(client):
     assert queries(buyer="ann") == queries(buyer="bob", idempotency_key="k-bob") == 2
     # a retry: those, and the read of the order the key already names
     assert queries(buyer="bob", idempotency_key="k-bob") == 3
-    assert Order.objects.count() == 2 and Item.objects.get(sku="widget").stock == 3
+    assert Order.objects.count() == 2 and Item.objects.get(sku="widget").units_left == 3
 
 
 @pytest.mark.django_db(transaction=True)
@@ -152,7 +152,7 @@ def test_concurrent_retries_with_one_key_make_one_order(strategy):
     assert {status for status, _ in answers} == {201}
     assert len({body for _, body in answers}) == 1
     assert Order.objects.count() == 1
-    assert Item.objects.get(sku="widget").stock == 49
+    assert Item.objects.get(sku="widget").units_left == 49
     call_command("sale", "audit", "widget", "--json")
 
 
@@ -172,7 +172,7 @@ def test_one_buyer_never_passes_the_limit(strategy):
     assert errors.count(None) == 1
     assert errors.count("limit_reached") == 9
     assert Order.objects.count() == 1
-    assert Item.objects.get(sku="widget").stock == 49
+    assert Item.objects.get(sku="widget").units_left == 49
 
 
 @pytest.mark.parametrize("qty", [5, 7, 13])
@@ -225,13 +225,15 @@ def test_sale_start_and_audit_commands(django_capture_on_commit_callbacks):
     assert audit["remaining"] == 17 and audit["db_stock"] == audit["redis_stock"] == 17
     assert audit["orders_by_status"]["pending"] == 1
 
-    # restarting clears the earlier orders and resets stock, strategy and Redis
+    # restarting opens a new sale with its own stock, strategy and Redis state; the earlier
+    # sale's order stays, as history of that sale
+    first_sale = Order.objects.get().sale_id
     with django_capture_on_commit_callbacks(execute=True):
         call_command("sale", "start", "widget", "--stock", "8", "--strategy", "segmented")
     audit = _audit()
     assert audit["strategy"] == "segmented" and audit["accepted_units"] == 0
     assert audit["db_stock"] == audit["redis_stock"] == audit["shard_stock"] == 8
-    assert Order.objects.count() == 0
+    assert list(Order.objects.values_list("sale_id", flat=True)) == [first_sale]
 
 
 def test_healthz_reports_database_and_redis(client):
@@ -260,4 +262,4 @@ def test_checkout_before_the_sale_opens_is_refused(client):
     assert item["opens_at"] > item["sale_started_at"]
     response = _checkout(client, sku="widget", qty=1, buyer="ann")
     assert response.status_code == 409 and response.json()["error"] == "not_started"
-    assert Order.objects.count() == 0 and Item.objects.get(sku="widget").stock == 5
+    assert Order.objects.count() == 0 and Item.objects.get(sku="widget").units_left == 5

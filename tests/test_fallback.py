@@ -28,7 +28,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def _wait_for_stock_at_most(sku: str, units: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if Item.objects.get(sku=sku).stock <= units:
+        if Item.objects.get(sku=sku).units_left <= units:
             return
         time.sleep(0.02)
 

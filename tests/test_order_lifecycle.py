@@ -16,8 +16,7 @@ from inventory.redis_client import get_redis_client
 from inventory.selectors import audit_sale
 from inventory.services import place_order, start_sale
 from inventory.strategies import get_strategy
-from inventory.strategies.lua import stock_key
-from inventory.strategies.segmented import shard_key
+from inventory.strategies.rows import row_key
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.embedded_smoke]
 
@@ -48,7 +47,7 @@ def test_a_declined_payment_gives_units_back_once(settings, strategy):
     settings.FLASHSALE_PAYMENT_FAILURE_RATE = 1.0
     start_sale(sku="widget", stock=10, strategy=strategy, limit=3)
     (order,) = _sell("widget", 1, qty=3)
-    assert Item.objects.get(sku="widget").stock == 7
+    assert Item.objects.get(sku="widget").units_left == 7
 
     assert orders.process_order(order_pk=order.pk) == OrderStatus.FAILED
     # a redelivered task: nothing more comes back
@@ -103,17 +102,15 @@ def test_reconcile_repairs_database_and_redis_drift():
     start_sale(sku="widget", stock=20, strategy="segmented")
     _sell("widget", 3, qty=4)
     item = Item.objects.get(sku="widget")
-    # drift: a shard and the item row lose units, Redis hints go wrong
-    Item.objects.filter(pk=item.pk).update(stock=1)
-    item.shards.filter(index=9).update(stock=0)
-    get_redis_client().set(shard_key(item, 3), 99)
+    # drift: a shard row loses units, Redis hints go wrong
+    item.shards.filter(sale=item.current_sale, index=9).update(stock=0)
+    get_redis_client().set(row_key(item, 3), 99)
     assert not audit_sale("widget")["consistent"]
 
     out = StringIO()
     call_command("sale", "reconcile", "widget", stdout=out)
 
-    assert "database stock 1 -> 8" in out.getvalue()
-    assert "shard 9 0 -> 2" in out.getvalue()
+    assert "stock row 9 0 -> 2" in out.getvalue()
     assert "Redis stock" in out.getvalue()
     audit = audit_sale("widget")
     assert audit["db_stock"] == 8 and audit["shard_stock"] == 8 and audit["redis_stock"] == 8
@@ -129,7 +126,9 @@ def test_reconcile_restores_a_lua_counter_left_low_by_a_crash():
     _sell("widget", 2)
     item = Item.objects.get(sku="widget")
     # a process died between its DECRBY and its commit: Redis is low, units look sold
-    get_redis_client().decrby(stock_key(item), 3)
+    holding = item.shards.filter(sale=item.current_sale, stock__gt=0).order_by("index")[:3]
+    for index in holding.values_list("index", flat=True):
+        get_redis_client().decrby(row_key(item, index), 1)
     assert get_strategy("lua").redis_stock(item=item) == 5
 
     changes = orders.reconcile_sale("widget")

@@ -172,11 +172,11 @@ def test_declined_payments_give_their_units_back_exactly_once(shop_server, strat
         Order.objects.filter(item__sku=sku, status__in=LIVE_STATUSES).values_list("qty", flat=True)
     )
     item = Item.objects.get(sku=sku)
-    assert live_units + item.stock == 60
+    assert live_units + item.units_left == 60
     audit = audit_sale(sku)
     assert audit["oversold"] == 0 and audit["consistent"], audit
     if strategy in ("segmented", "lua"):
-        assert audit["redis_stock"] == item.stock, audit
+        assert audit["redis_stock"] == item.units_left, audit
     assert _payments_per_order(sku) == {1}
 
 
@@ -209,7 +209,7 @@ def test_twenty_concurrent_retries_of_one_key_make_one_order(shop_server, strate
     assert {status for status, _ in answers} == {201}
     assert len({json.dumps(payload, sort_keys=True) for _, payload in answers}) == 1
     assert Order.objects.filter(item__sku=sku).count() == 1
-    assert Item.objects.get(sku=sku).stock == 48
+    assert Item.objects.get(sku=sku).units_left == 48
 
 
 @pytest.mark.parametrize("strategy", ["lock", "segmented", "lua", "optimistic"])
@@ -223,6 +223,6 @@ def test_one_buyer_twenty_concurrent_requests_limit_one(shop_server, strategy):
     assert statuses == [201] + [409] * 19
     assert {payload["error"] for status, payload in answers if status == 409} == {"limit_reached"}
     assert Order.objects.filter(item__sku=sku).count() == 1
-    assert Item.objects.get(sku=sku).stock == 49
+    assert Item.objects.get(sku=sku).units_left == 49
     audit = audit_sale(sku)
     assert audit["consistent"], audit

@@ -18,6 +18,7 @@ from inventory import orders, stock
 from inventory.exceptions import Busy
 from inventory.models import BuyerAllowance, Item, Order, StockShard
 from inventory.redis_client import get_redis_client
+from inventory.selectors import audit_sale
 from inventory.services import place_order, start_sale
 from inventory.strategies import get_strategy
 from inventory.tasks import dispatch_orders_task
@@ -29,16 +30,17 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.embedded_smok
 
 def _rows(sku: str) -> tuple[int, dict[int, int], int, int]:
     item = Item.objects.get(sku=sku)
-    shards = dict(StockShard.objects.filter(item=item).values_list("index", "stock"))
-    return item.stock, shards, Order.objects.filter(item=item).count(), item.version
+    shards = dict(
+        StockShard.objects.filter(sale_id=item.current_sale_id).values_list("index", "stock")
+    )
+    return item.units_left, shards, Order.objects.filter(item=item).count(), item.version
 
 
 def test_a_write_refused_part_way_changes_nothing():
     # Given a sharded item whose shard 1 is empty while shard 0 has units
     start_sale(sku="split", stock=20, strategy="segmented")
     item = Item.objects.get(sku="split")
-    StockShard.objects.filter(item=item, index=1).update(stock=0)
-    Item.objects.filter(pk=item.pk).update(stock=18)
+    StockShard.objects.filter(sale_id=item.current_sale_id, index=1).update(stock=0)
     before = _rows("split")
 
     # When one statement asks for a unit from each (shard 0 passes its guard, shard 1 fails)
@@ -64,16 +66,63 @@ def test_a_stale_version_refuses_the_whole_sale():
 
 
 def test_a_sale_writes_stock_allowance_and_order_at_once():
-    start_sale(sku="once", stock=5, strategy="lua", limit=3)
+    start_sale(sku="once", stock=5, strategy="optimistic", limit=3)
     item = Item.objects.get(sku="once")
 
-    sold = stock.sell(item=item, qty=2, buyer="ann", served_by="lua", limit=3)
+    sold = stock.sell(item=item, qty=2, buyer="ann", served_by="optimistic", limit=3)
 
     assert sold is not None and sold.item_stock == 3
     order = Order.objects.get(pk=sold.order.pk)
-    assert (order.buyer, order.qty, order.served_by, order.status) == ("ann", 2, "lua", "pending")
-    assert BuyerAllowance.objects.get(item=item, buyer="ann").units == 2
-    assert Item.objects.get(pk=item.pk).stock == 3
+    assert (order.buyer, order.qty, order.status) == ("ann", 2, "pending")
+    assert BuyerAllowance.objects.get(sale=item.current_sale, buyer="ann").units == 2
+    assert Item.objects.get(pk=item.pk).units_left == 3
+
+
+@pytest.mark.parametrize("strategy", ["segmented", "lua"])
+def test_a_sale_from_stock_rows_writes_its_rows_and_never_the_item_row(strategy):
+    # Given an item sold from stock rows, whose item row another session holds locked the way
+    # an UPDATE does (FOR NO KEY UPDATE: an order's foreign-key check does not wait for it)
+    start_sale(sku="rows", stock=20, strategy=strategy, limit=5)
+    item = Item.objects.get(sku="rows")
+    assert item.shard_count == 10
+    holder = connections.create_connection("default")
+    holder.ensure_connection()
+    raw = holder.connection
+    raw.execute("BEGIN")
+    raw.execute("SELECT 1 FROM inventory_item WHERE id = %s FOR NO KEY UPDATE", [item.pk])
+    try:
+        # When units are sold from two rows, one row and through the strategy itself
+        sold = stock.sell(
+            item=item, qty=3, buyer="ann", served_by=strategy, limit=5, shard_units={2: 1, 7: 2}
+        )
+        place_order(sku="rows", qty=1, buyer="bob")
+    finally:
+        raw.rollback()
+        holder.close()
+
+    # Then the rows lost exactly those units, the item row is as it was, and the item's stock
+    # is derived from the rows
+    assert sold is not None and sold.item_stock is None and sold.shard_levels == {2: 1, 7: 0}
+    after = Item.objects.get(pk=item.pk)
+    assert (after.stock, after.version) == (item.stock, item.version)
+    assert after.units_left == 16
+    assert audit_sale("rows")["db_stock"] == 16
+    assert BuyerAllowance.objects.get(sale=item.current_sale, buyer="ann").units == 3
+
+
+def test_a_checkout_for_a_restarted_sale_takes_nothing_from_the_new_one():
+    # Given a checkout that read the item before its sale was restarted
+    start_sale(sku="again", stock=5, strategy="optimistic")
+    stale = Item.objects.get(sku="again")
+    start_sale(sku="again", stock=5, strategy="optimistic")
+
+    # When its sale statement runs
+    refused = stock.sell(item=stale, qty=1, buyer="b", served_by="optimistic")
+
+    # Then it is refused: no unit of the new sale goes to an order of the old one
+    assert refused is None
+    assert Item.objects.get(sku="again").units_left == 5
+    assert not Order.objects.filter(item=stale).exists()
 
 
 def _newest_message(client) -> dict:
@@ -221,14 +270,15 @@ def test_prepared_statements_can_be_turned_off_for_a_pooler():
     # Nothing prepared, and the same code still sold the three units
     assert prepared == []
     assert Order.objects.filter(item__sku="unprepared").count() == 3
-    assert Item.objects.get(sku="unprepared").stock == 7
+    assert Item.objects.get(sku="unprepared").units_left == 7
 
 
 @pytest.mark.parametrize("strategy", ["lock", "segmented", "lua", "optimistic"])
 def test_a_checkout_gives_up_on_a_row_another_transaction_holds_and_changes_nothing(
     strategy, settings
 ):
-    # Given a sale whose item row another session has locked in an open transaction
+    # Given a sale whose stock rows (or item row) another session has locked in an open
+    # transaction
     settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS = 300
     sku = f"held-{strategy}"
     start_sale(sku=sku, stock=5, strategy=strategy, limit=2)
@@ -238,7 +288,13 @@ def test_a_checkout_gives_up_on_a_row_another_transaction_holds_and_changes_noth
     holder.ensure_connection()
     raw = holder.connection  # used from the timer thread too: plain psycopg, not Django's
     raw.execute("BEGIN")
-    raw.execute("SELECT 1 FROM inventory_item WHERE id = %s FOR UPDATE", [item.pk])
+    if item.shard_count:  # the stock rows are what its sales write
+        raw.execute(
+            "SELECT 1 FROM inventory_stockshard WHERE sale_id = %s FOR UPDATE",
+            [item.current_sale_id],
+        )
+    else:
+        raw.execute("SELECT 1 FROM inventory_item WHERE id = %s FOR UPDATE", [item.pk])
     # (without the bound the checkout would wait for ever: end the hold after 30 s regardless)
     watchdog = threading.Timer(30, raw.rollback)
     watchdog.start()
@@ -263,4 +319,4 @@ def test_a_checkout_gives_up_on_a_row_another_transaction_holds_and_changes_noth
     assert not BuyerAllowance.objects.filter(item=item).exists()
     # and once the row is free the same checkout goes through
     assert place_order(sku=sku, qty=1, buyer="b").order.qty == 1
-    assert Item.objects.get(sku=sku).stock == before[0] - 1
+    assert Item.objects.get(sku=sku).units_left == before[0] - 1

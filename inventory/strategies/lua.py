@@ -1,90 +1,107 @@
-"""`lua`: one atomic script checks the Redis counter and DECRBYs it; no lock at all.
+"""`lua`: one atomic script takes the units from Redis counters; no lock at all.
 
-Redis decides who gets a unit; the database write that follows is guarded (`stock >= qty`). If
-the database refuses, the counter was too high (it was rebuilt while other processes still sold
-through the fallback): the counter is set from the database and the buyer told it is sold out.
-If anything else fails before commit, the units go back to the counter.
+The sale's units live in stock rows (stripes: FLASHSALE_STRIPES rows in the database, one Redis
+counter each). The script takes the units from one counter that holds them all, the counters
+tried in turn, so concurrent buyers land on different rows; the database write that follows
+decrements that row only, guarded by `stock >= units`. No database row is written by every
+buyer: lua pays for Redis and its own row, not for a queue on the item row.
+
+If the database refuses, a counter was too high (it was rebuilt while other processes still
+sold through the fallback): the counters are set from the database and the take is tried once
+more. If anything else fails before commit, the units go back to the counters.
 """
 
 from __future__ import annotations
 
 import logging
 
-from locking import StockCounter
+from django.conf import settings
 
 from ..breaker import breaker
 from ..exceptions import Busy, SoldOut
 from ..models import Item, Order
-from ..redis_client import REDIS_DOWN_ERRORS, get_redis_client, redis_key
-from ..stock import read_stock, simulate_work
+from ..redis_client import REDIS_DOWN_ERRORS, get_redis_client
+from ..stock import HalfDone, Sold, shard_stocks, simulate_work
+from . import rows
 from .base import Allocation, RecordOrder, StockStrategy
 
 logger = logging.getLogger(__name__)
 
-
-def stock_key(item: Item) -> str:
-    # Keyed by sale: a restarted sale never meets a counter left by the previous one.
-    return redis_key("item", item.sku, "sale", item.current_sale_id, "stock")
-
-
-def returned_marker(order: Order) -> str:
-    """Set once an order's units are back in Redis, so a retried give-back adds nothing."""
-    return redis_key("order", order.pk, "returned")
+#: Takes tried before a buyer refused by the database is told sold out (or busy).
+ATTEMPTS = 2
 
 
 class LuaStrategy(StockStrategy):
     name = "lua"
     uses_redis = True
     counts_in_redis = True
-
-    def _counter(self) -> StockCounter:
-        return StockCounter(get_redis_client())
+    shard_count = settings.FLASHSALE_STRIPES
 
     def take(self, *, item: Item, qty: int, buyer: str, record: RecordOrder) -> Order:
-        counter = self._counter()
-        key = stock_key(item)
-        left = counter.take(key, qty)
-        if left == StockCounter.MISSING:
-            # Redis restarted empty or was never warmed: seed it from the database, once.
-            get_redis_client().set(key, read_stock(item.pk).stock, nx=True)
-            left = counter.take(key, qty)
-            if left == StockCounter.MISSING:
-                raise Busy(f"{item.sku}: stock counter is being rebuilt")
-        if left == StockCounter.INSUFFICIENT:
-            raise SoldOut(sku=item.sku, requested=qty)
+        counter = rows.counter()
+        keys = rows.row_keys(item)
+        cursor = rows.sale_key(item, "turn")
+        for _ in range(ATTEMPTS):
+            plan = counter.take_spread(cursor, keys, qty)
+            if plan is None:
+                # Redis restarted empty or was never warmed: seed it from the database, once.
+                self._seed(item)
+                plan = counter.take_spread(cursor, keys, qty)
+                if plan is None:
+                    raise Busy(f"{item.sku}: stock counters are being rebuilt")
+            if not plan:
+                raise SoldOut(sku=item.sku, requested=qty)
+            sold = self._record(item, plan, record)
+            if sold is not None:
+                return sold.order
+            # The database holds fewer units than Redis granted: the counters were too high.
+            self._resync(item)
+        left = sum(shard_stocks(item.current_sale_id).values())
+        if left < qty:
+            raise SoldOut(sku=item.sku, requested=qty, remaining=left)
+        raise Busy(
+            f"{item.sku}: its stock counters disagreed with the database",
+            retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+        )
+
+    def _record(self, item: Item, plan: dict[int, int], record: RecordOrder) -> Sold | None:
         try:
             simulate_work()
-            sold = record(Allocation(strategy=self.name))
+            return record(Allocation(strategy=self.name, shard_units=plan))
+        except HalfDone:
+            return None  # refused part way: nothing written, the counters get resynced
         except BaseException:
-            self._give_back(counter, key, qty)
+            self._give_back(item, plan)
             raise
-        if sold is None:
-            # The database holds fewer units than Redis granted: the counter was too high.
-            self._resync(counter, key, item)
-            raise SoldOut(sku=item.sku, requested=qty)
-        return sold.order
 
-    def _resync(self, counter: StockCounter, key: str, item: Item) -> None:
+    def _seed(self, item: Item) -> None:
+        levels = shard_stocks(item.current_sale_id)
+        pipe = get_redis_client().pipeline(transaction=False)
+        for index, units in levels.items():
+            pipe.set(rows.row_key(item, index), units, nx=True)
+        pipe.execute()
+
+    def _resync(self, item: Item) -> None:
         try:
-            counter.set(key, read_stock(item.pk).stock)
+            rows.sync_rows(item)
         except REDIS_DOWN_ERRORS as exc:
             breaker.record_failure(exc)
-            logger.warning("could not resync %s from the database: Redis is down", key)
+            logger.warning("could not resync %s from the database: Redis is down", item.sku)
 
-    def _give_back(self, counter: StockCounter, key: str, qty: int) -> None:
+    def _give_back(self, item: Item, plan: dict[int, int]) -> None:
         try:
-            counter.give_back(key, qty)
+            rows.counter().give_back_many({rows.row_key(item, i): u for i, u in plan.items()})
         except REDIS_DOWN_ERRORS as exc:
             breaker.record_failure(exc)
-            # The counter is now low by qty; rebuilding it from the database when Redis is
-            # reachable again restores it.
-            logger.warning("could not give %s units back to %s: Redis is down", qty, key)
+            # The counters are now low; rebuilding them from the database when Redis is
+            # reachable again restores them.
+            logger.warning("could not give %s units of %s back: Redis is down", plan, item.sku)
 
     def sync_redis(self, *, item: Item) -> None:
-        self._counter().set(stock_key(item), read_stock(item.pk).stock)
+        rows.sync_rows(item)
 
     def return_units(self, *, item: Item, order: Order) -> None:
-        self._counter().give_back_once(returned_marker(order), {stock_key(item): order.qty})
+        rows.give_back_rows(item, order)
 
     def redis_stock(self, *, item: Item) -> int | None:
-        return self._counter().get(stock_key(item))
+        return rows.rows_total(item)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from django.conf import settings
 from django.db import transaction
 
@@ -23,13 +25,14 @@ from .base import Allocation, RecordOrder, StockStrategy
 class OptimisticStrategy(StockStrategy):
     """Version-checked write with bounded, jittered retries; also the fallback for Redis.
 
-    After FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS lost races, one last attempt waits for the item's
-    row lock (at most FLASHSALE_ROW_LOCK_TIMEOUT_MS, else `503 busy`): under heavy contention
-    a loser would otherwise keep losing to writers that commit while it waits.
+    After FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS lost races, one last attempt waits for the row
+    locks (at most FLASHSALE_ROW_LOCK_TIMEOUT_MS, else `503 busy`): under heavy contention a
+    loser would otherwise keep losing to writers that commit while it waits.
 
-    Works for any item: when the item keeps stock shards (it sells through `segmented`), the
-    same statement takes the units from its shards too, lowest index first, so the fallback
-    keeps them true.
+    Works for any item: when the item keeps stock rows (it sells through `segmented` or `lua`),
+    the same statement takes the units from those rows instead of the item row, each guarded by
+    `stock >= units`, starting at a random row so that fallback buyers spread over them as the
+    strategies they stand in for do.
     """
 
     name = "optimistic"
@@ -37,20 +40,21 @@ class OptimisticStrategy(StockStrategy):
     def take(self, *, item: Item, qty: int, buyer: str, record: RecordOrder) -> Order:
         attempts = settings.FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS
         for attempt in range(attempts):
-            seen = read_stock(item.pk)
-            if seen.stock < qty:
-                raise SoldOut(sku=item.sku, requested=qty, remaining=seen.stock)
+            if item.shard_count:
+                levels = shard_stocks(item.current_sale_id)
+                if sum(levels.values()) < qty:
+                    raise SoldOut(sku=item.sku, requested=qty, remaining=sum(levels.values()))
+                allocation = Allocation(strategy=self.name, shard_units=_split(levels, qty))
+            else:
+                seen = read_stock(item.pk)
+                if seen.stock < qty:
+                    raise SoldOut(sku=item.sku, requested=qty, remaining=seen.stock)
+                allocation = Allocation(strategy=self.name, expected_version=seen.version)
             simulate_work()
             try:
-                sold = record(
-                    Allocation(
-                        strategy=self.name,
-                        expected_version=seen.version,
-                        shard_units=_plan(item, qty) if item.shard_count else None,
-                    )
-                )
+                sold = record(allocation)
             except HalfDone:
-                sold = None  # a shard moved between its read and the write: a lost race
+                sold = None  # a row moved between its read and the write: a lost race
             if sold is not None:
                 return sold.order
             back_off(attempt)
@@ -58,49 +62,45 @@ class OptimisticStrategy(StockStrategy):
 
     def _take_queued(self, item: Item, qty: int, record: RecordOrder) -> Order:
         """Every attempt lost a race (a writer holding the row lock commits a new version while
-        we wait for it): queue for the row lock instead, so a loser cannot starve."""
+        we wait for it): queue for the row locks instead, so a loser cannot starve."""
         try:
             with transaction.atomic():
                 if item.shard_count:
-                    # The lock order: shards first, then the item row.
-                    levels = shard_stocks(item.pk, for_update=True)
-                seen = lock_stock_row(item.pk)
-                if seen.stock < qty:
-                    raise SoldOut(sku=item.sku, requested=qty, remaining=seen.stock)
+                    # Locked in index order, as every writer of several stock rows does.
+                    levels = shard_stocks(item.current_sale_id, for_update=True)
+                    if sum(levels.values()) < qty:
+                        raise SoldOut(sku=item.sku, requested=qty, remaining=sum(levels.values()))
+                    allocation = Allocation(strategy=self.name, shard_units=_split(levels, qty))
+                else:
+                    seen = lock_stock_row(item.pk)
+                    if seen.stock < qty:
+                        raise SoldOut(sku=item.sku, requested=qty, remaining=seen.stock)
+                    allocation = Allocation(strategy=self.name, expected_version=seen.version)
                 simulate_work()
-                sold: Sold | None = record(
-                    Allocation(
-                        strategy=self.name,
-                        expected_version=seen.version,
-                        shard_units=_split(levels, qty) if item.shard_count else None,
-                    )
-                )
-                if sold is None:  # cannot happen: every row it writes is locked by now
-                    raise RuntimeError(f"{item.sku}: a write under its row locks was refused")
-                return sold.order
-        except RowLockTimeout:
+                sold: Sold | None = record(allocation)
+        except (RowLockTimeout, HalfDone):
+            sold = None
+        if sold is None:
+            # Only a sale restarted meanwhile refuses a write under its row locks.
             raise Busy(
-                f"{item.sku}: the item row stayed locked after "
+                f"{item.sku}: its stock rows stayed locked or changed after "
                 f"{settings.FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS} lost races",
                 retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
-            ) from None
-
-
-def _plan(item: Item, qty: int) -> dict[int, int]:
-    return _split(shard_stocks(item.pk), qty)
+            )
+        return sold.order
 
 
 def _split(levels: dict[int, int], qty: int) -> dict[int, int]:
-    """Units to take per shard for qty, lowest index first (short when the shards are)."""
+    """Units to take per stock row for qty: from one row that holds them all when one does
+    (picked at random, to spread buyers over the rows), else from several in index order.
+    The caller checked that the rows hold qty between them."""
+    whole = [index for index, units in levels.items() if units >= qty]
+    if whole:
+        return {random.choice(whole): qty}
     plan: dict[int, int] = {}
     needed = qty
     for index in sorted(levels):
         if needed and levels[index] > 0:
             plan[index] = min(levels[index], needed)
             needed -= plan[index]
-    if needed:
-        # Fewer units on the shards than the item row claims: ask for them anyway, so the
-        # guards refuse and the caller retries or reports sold out.
-        last = max(levels, default=0)
-        plan[last] = plan.get(last, 0) + needed
     return plan

@@ -1,8 +1,13 @@
 """`segmented`: the stock split over shards, each with its own Redis lock.
 
-The database holds each shard's units (the system of record); Redis holds a hint per shard, set
-from the database by the lock holder right after each commit, so the hints are never lower than
-the truth except after a crash (which the rebuild on recovery repairs).
+Each shard's database row is the system of record for its units: a sale writes the row(s) of
+the shard(s) it took from and the order, never the item row, whose stock is derived from the
+shards. Redis holds a hint per shard, set from the database by the lock holder right after
+each commit, so the hints are never lower than the truth except after a crash (which the
+rebuild on recovery repairs).
+
+Lock order: shard locks are only ever waited for in ascending index order while others are
+held, and the sale statement decrements the rows of a multi-shard sale in index order too.
 
 A buyer starts at a random shard and walks the ring:
 1. shards whose hint covers the whole quantity and whose lock is free right now: take one, serve
@@ -22,22 +27,18 @@ import time
 
 from django.conf import settings
 
-from locking import Lock, StockCounter
+from locking import Lock
 
 from ..breaker import breaker
 from ..exceptions import Busy, SoldOut
 from ..models import Item, Order
-from ..redis_client import REDIS_DOWN_ERRORS, get_redis_client, redis_key
+from ..redis_client import REDIS_DOWN_ERRORS, redis_key
 from ..stock import HalfDone, shard_stocks, simulate_work
+from . import rows
 from .base import Allocation, RecordOrder, StockStrategy
 from .lock import acquire_lock, ensure_still_held, new_lock, release_quietly
-from .lua import returned_marker
 
 logger = logging.getLogger(__name__)
-
-
-def shard_key(item: Item, index: int) -> str:
-    return redis_key("item", item.sku, "sale", item.current_sale_id, "shard", index)
 
 
 def shard_lock(item: Item, index: int) -> Lock:
@@ -50,16 +51,12 @@ class SegmentedStrategy(StockStrategy):
     counts_in_redis = True
     shard_count = settings.FLASHSALE_SHARDS
 
-    def _keys(self, item: Item) -> list[str]:
-        return [shard_key(item, index) for index in range(item.shard_count)]
-
     def take(self, *, item: Item, qty: int, buyer: str, record: RecordOrder) -> Order:
         if not item.shard_count:
             raise RuntimeError(f"{item.sku} has no stock shards: restart its sale")
-        counter = StockCounter(get_redis_client())
-        hints = counter.get_many(self._keys(item))
+        hints = rows.counter().get_many(rows.row_keys(item))
         if None in hints:
-            hints = self._write_hints(item, shard_stocks(item.pk))
+            hints = rows.sync_rows(item)
         if sum(hints) < qty:
             raise SoldOut(sku=item.sku, requested=qty, remaining=sum(hints))
 
@@ -106,9 +103,9 @@ class SegmentedStrategy(StockStrategy):
                         retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
                     )
                 locks.append(lock)
-            levels = shard_stocks(item.pk)
+            levels = shard_stocks(item.current_sale_id)
             if sum(levels.values()) < qty:
-                self._write_hints(item, levels)
+                rows.write_rows(item, levels)
                 raise SoldOut(sku=item.sku, requested=qty, remaining=sum(levels.values()))
             plan: dict[int, int] = {}
             needed = qty
@@ -148,7 +145,7 @@ class SegmentedStrategy(StockStrategy):
         except HalfDone:
             sold = None
         if sold is None:
-            levels = shard_stocks(item.pk)
+            levels = shard_stocks(item.current_sale_id)
             self._write_hints_quietly(item, levels)
             if sum(levels.values()) < qty:
                 raise SoldOut(sku=item.sku, requested=qty, remaining=sum(levels.values()))
@@ -156,31 +153,18 @@ class SegmentedStrategy(StockStrategy):
         self._write_hints_quietly(item, sold.shard_levels)
         return sold.order
 
-    def _write_hints(self, item: Item, levels: dict[int, int]) -> list[int]:
-        client = get_redis_client()
-        client.mset({shard_key(item, index): units for index, units in levels.items()})
-        return [levels.get(index, 0) for index in range(item.shard_count)]
-
     def _write_hints_quietly(self, item: Item, levels: dict[int, int]) -> None:
         try:
-            self._write_hints(item, levels)
+            rows.write_rows(item, levels)
         except REDIS_DOWN_ERRORS as exc:
             breaker.record_failure(exc)
             logger.warning("could not update %s shard hints: Redis is down", item.sku)
 
     def sync_redis(self, *, item: Item) -> None:
-        if item.shard_count:
-            self._write_hints(item, shard_stocks(item.pk))
+        rows.sync_rows(item)
 
     def return_units(self, *, item: Item, order: Order) -> None:
-        amounts = {
-            shard_key(item, int(index)): units for index, units in (order.shard_units or {}).items()
-        }
-        if amounts:
-            StockCounter(get_redis_client()).give_back_once(returned_marker(order), amounts)
+        rows.give_back_rows(item, order)
 
     def redis_stock(self, *, item: Item) -> int | None:
-        if not item.shard_count:
-            return None
-        hints = StockCounter(get_redis_client()).get_many(self._keys(item))
-        return None if None in hints else sum(hints)
+        return rows.rows_total(item)

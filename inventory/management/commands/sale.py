@@ -28,8 +28,8 @@ class Command(BaseCommand):
         )
         start = actions.add_parser(
             "start",
-            help="(Re)start the sale of SKU: create it if new, set stock and strategy, clear "
-            "its earlier orders, warm Redis.",
+            help="(Re)start the sale of SKU: create it if new, open a new sale with this stock "
+            "and strategy (earlier sales and their orders stay as history), warm Redis.",
         )
         start.add_argument("sku")
         start.add_argument("--stock", type=int, required=True, help="units for sale")
@@ -49,7 +49,7 @@ class Command(BaseCommand):
         audit.add_argument("--json", action="store_true", help="print one JSON object")
         reconcile = actions.add_parser(
             "reconcile",
-            help="Recompute SKU's stock from its orders; repair the item, shards and Redis.",
+            help="Recompute SKU's stock from its orders; repair its item or stock rows, and Redis.",
         )
         reconcile.add_argument("sku")
 
@@ -86,7 +86,7 @@ class Command(BaseCommand):
         for change in changes:
             self.stdout.write(change)
         if not changes:
-            self.stdout.write(f"{options['sku']}: database, shards and Redis already agree")
+            self.stdout.write(f"{options['sku']}: database, stock rows and Redis already agree")
 
     def _audit(self, options: dict) -> None:
         report = selectors.audit_sale(options["sku"])

@@ -1,0 +1,66 @@
+"""Redis counters that mirror a sale's stock rows, shared by `segmented` and `lua`.
+
+One counter per stock row of the current sale, `<prefix>:item:<sku>:sale:<id>:row:<index>`:
+what Redis believes row `index` holds. Keyed by sale, so a restarted sale never meets a
+counter left by the previous one. `segmented` keeps them as hints (set from the database by
+the lock holder after each commit); `lua` decides with them (its script takes units from them
+before the database write).
+"""
+
+from __future__ import annotations
+
+from locking import StockCounter
+
+from ..models import Item, Order
+from ..redis_client import get_redis_client, redis_key
+from ..stock import shard_stocks
+
+
+def sale_key(item: Item, *parts: object) -> str:
+    """A key of item's current sale: `<prefix>:item:<sku>:sale:<id>:<parts...>`."""
+    return redis_key("item", item.sku, "sale", item.current_sale_id, *parts)
+
+
+def row_key(item: Item, index: int) -> str:
+    return sale_key(item, "row", index)
+
+
+def row_keys(item: Item) -> list[str]:
+    return [row_key(item, index) for index in range(item.shard_count)]
+
+
+def returned_marker(order: Order) -> str:
+    """Set once an order's units are back in Redis, so a retried give-back adds nothing."""
+    return redis_key("order", order.pk, "returned")
+
+
+def counter() -> StockCounter:
+    return StockCounter(get_redis_client())
+
+
+def write_rows(item: Item, levels: dict[int, int]) -> list[int]:
+    """Set the counters of the rows in `levels`; return every row's level (0 where not given)."""
+    counter().set_many({row_key(item, index): units for index, units in levels.items()})
+    return [levels.get(index, 0) for index in range(item.shard_count)]
+
+
+def sync_rows(item: Item) -> list[int]:
+    """Set every row's counter from the database."""
+    return write_rows(item, shard_stocks(item.current_sale_id))
+
+
+def give_back_rows(item: Item, order: Order) -> None:
+    """Add a failed or expired order's units back to the counters it took them from, once."""
+    amounts = {
+        row_key(item, int(index)): units for index, units in (order.shard_units or {}).items()
+    }
+    if amounts:
+        counter().give_back_once(returned_marker(order), amounts)
+
+
+def rows_total(item: Item) -> int | None:
+    """Units the counters hold together; None when a counter is missing."""
+    if not item.shard_count:
+        return None
+    levels = counter().get_many(row_keys(item))
+    return None if None in levels else sum(levels)
