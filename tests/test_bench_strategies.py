@@ -24,7 +24,7 @@ SAFE = [
     "lock +5 ms work",
     "segmented +5 ms work",
     *(peer.label for peer in PEERS.values()),
-    "EVALSHA + sale (SQL)",
+    "take + row sale (SQL)",
     "hot row (SQL)",
 ]
 ROW = re.compile(
@@ -47,8 +47,8 @@ def test_a_tiny_run_prints_every_contender_and_no_safe_one_oversells(django_db_s
         command, cwd=ROOT, env=server_env(), capture_output=True, text=True, timeout=180
     )
 
-    # Then it exits 0 and prints one row per contender, the four targets (segmented vs lock
-    # with and without work in the critical section) and the two bounds
+    # Then it exits 0 and prints one row per contender, the six targets (one of them on p99
+    # time per sale) and the two bounds
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = {
         match["contender"]: match
@@ -60,9 +60,11 @@ def test_a_tiny_run_prints_every_contender_and_no_safe_one_oversells(django_db_s
     for name in SAFE:
         assert rows[name]["oversold"] == "0", rows[name].string
         assert rows[name]["consistent"] == "yes", rows[name].string
-    assert result.stdout.count("(target >= ") == 4, result.stdout
-    assert re.search(r"hot row \(SQL\)\s+vs lock\s+\d+\.\d\dx", result.stdout), result.stdout
-    assert re.search(r"EVALSHA \+ sale \(SQL\)\s+vs raw EVALSHA\s+\d", result.stdout), result.stdout
+    assert result.stdout.count("(target >= ") == 5, result.stdout
+    assert result.stdout.count("(target <= ") == 1, result.stdout
+    assert re.search(r"lua\s+vs hot row \(SQL\)\s+\d+\.\d\dx", result.stdout), result.stdout
+    assert re.search(r"lock\s+vs hot row \(SQL\)\s+\d+\.\d\dx", result.stdout), result.stdout
+    assert re.search(r"take \+ row sale \(SQL\)\s+vs hot row \(SQL\)\s+\d", result.stdout)
     # and every unit a buyer was sold is an order in the database
     results = {entry["contender"]: entry for entry in json.loads(report.read_text())["results"]}
     for name in SAFE:
