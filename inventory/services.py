@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -25,8 +26,8 @@ from .exceptions import (
 from .models import Item, Order, Sale, StockShard
 from .orders import order_placed
 from .redis_client import REDIS_DOWN_ERRORS, get_redis_client, redis_key
-from .stock import Sold, split_stock
-from .strategies import Allocation, get_strategy, strategy_names
+from .stock import split_stock
+from .strategies import get_strategy, strategy_names
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,28 @@ def place_order(
 
 
 def _sell(*, sku: str, qty: int, buyer: str, idempotency_key: str | None) -> Order:
-    found = checkout_item(sku)
+    try:
+        return _sell_once(
+            sku=sku, qty=qty, buyer=buyer, idempotency_key=idempotency_key, fresh=False
+        )
+    except stock.SaleRestarted:
+        # The item was read (or remembered) before its sale was restarted: read it again.
+        forget_item(sku)
+    try:
+        return _sell_once(
+            sku=sku, qty=qty, buyer=buyer, idempotency_key=idempotency_key, fresh=True
+        )
+    except stock.SaleRestarted:
+        raise Busy(
+            f"{sku}: its sale was restarted during the checkout",
+            retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+        ) from None
+
+
+def _sell_once(
+    *, sku: str, qty: int, buyer: str, idempotency_key: str | None, fresh: bool
+) -> Order:
+    found = checkout_item(sku) if fresh else _remembered_item(sku)
     if found is None:
         raise UnknownSku(sku)
     item, opens_at = found
@@ -82,20 +104,9 @@ def _sell(*, sku: str, qty: int, buyer: str, idempotency_key: str | None) -> Ord
     if limit is not None and qty > limit:
         raise LimitReached(sku=sku, limit=limit)
 
-    def record(allocation: Allocation) -> Sold | None:
-        return stock.sell(
-            item=item,
-            qty=qty,
-            buyer=buyer,
-            served_by=allocation.strategy,
-            idempotency_key=idempotency_key,
-            limit=limit,
-            fallback=allocation.fallback,
-            shard_units=allocation.shard_units,
-            expected_version=allocation.expected_version,
-            set_stock=allocation.set_stock,
-        )
-
+    record = stock.SaleRecorder(
+        item=item, qty=qty, buyer=buyer, idempotency_key=idempotency_key, limit=limit
+    )
     try:
         return get_strategy(item.strategy).take(item=item, qty=qty, buyer=buyer, record=record)
     except stock.RowLockTimeout:
@@ -108,6 +119,41 @@ def _sell(*, sku: str, qty: int, buyer: str, idempotency_key: str | None) -> Ord
         if _violated_constraint(exc) == ALLOWANCE_LIMIT_CONSTRAINT:
             raise LimitReached(sku=sku, limit=limit or 0) from None
         raise
+
+
+#: sku -> (monotonic expiry, item, its sale's opening): items whose strategy may sell from an
+#: item read a moment ago (`StockStrategy.item_may_be_remembered`).
+_remembered: dict[str, tuple[float, Item, datetime | None]] = {}
+
+
+def _remembered_item(sku: str) -> tuple[Item, datetime | None] | None:
+    """checkout_item(sku), or the same read made less than FLASHSALE_ITEM_MEMORY_MS ago.
+
+    Only for an item whose strategy decides from state kept per sale (Redis counters of the
+    sale, rows of the sale) and whose write refuses a sale that is no longer current: a
+    remembered item then costs nothing (no database round trip, even for a sold-out answer),
+    and one whose sale was restarted meanwhile is noticed and read again (SaleRestarted).
+    """
+    entry = _remembered.get(sku)
+    now = time.monotonic()
+    if entry is not None and entry[0] > now:
+        return entry[1], entry[2]
+    found = checkout_item(sku)
+    memory = settings.FLASHSALE_ITEM_MEMORY_MS
+    if found is not None and memory > 0 and _may_remember(found[0]):
+        _remembered[sku] = (now + memory / 1000, *found)
+    else:
+        _remembered.pop(sku, None)
+    return found
+
+
+def _may_remember(item: Item) -> bool:
+    return item.current_sale_id is not None and get_strategy(item.strategy).item_may_be_remembered
+
+
+def forget_item(sku: str) -> None:
+    """Drop this process's remembered read of sku (its sale was restarted)."""
+    _remembered.pop(sku, None)
 
 
 def _replay(key: str | None, *, sku: str, qty: int, buyer: str) -> Order | None:
@@ -219,6 +265,10 @@ def start_sale(
             StockShard(item=item, sale=sale, index=index, stock=units)
             for index, units in enumerate(split_stock(stock, item.shard_count))
         )
+    # This process forgets its read of the item at once and again once committed; other
+    # processes notice the restart on their next checkout (SaleRestarted).
+    forget_item(sku)
+    transaction.on_commit(lambda: forget_item(sku))
     transaction.on_commit(lambda: warm_redis(item))
     return sale
 

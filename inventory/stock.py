@@ -21,9 +21,10 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from datetime import datetime
 from functools import cache, cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from django.conf import settings
@@ -33,6 +34,9 @@ from django.db.models import F
 from django.utils import timezone
 
 from .models import BuyerAllowance, Item, Order, OrderStatus, StockShard
+
+if TYPE_CHECKING:
+    from .strategies.base import Allocation
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,10 @@ class Sold:
         return order
 
 
+class SaleRestarted(Exception):
+    """The item's sale was restarted since the item was read: read it again and retry."""
+
+
 class HalfDone(Exception):
     """A sale statement took from some of its rows but not all: PostgreSQL rolled it back."""
 
@@ -128,8 +136,8 @@ def sell(
     Either every guard passes and everything is written (decrements, the buyer's allowance for
     the sale when `limit` is set, the order row), or nothing is: a refusal returns None; a
     refusal that comes after some rows were decremented aborts the statement and raises
-    HalfDone. A sale restarted since `item` was read refuses (the units it would take belong
-    to another sale).
+    HalfDone. A sale restarted since `item` was read refuses and raises SaleRestarted (the
+    units it would take belong to another sale).
 
     `set_stock` replaces the item row's guarded decrement by an absolute, unguarded write: the
     lost update that `unsafe` and the lock's pitfall toggle demonstrate.
@@ -185,8 +193,10 @@ def sell(
         if sqlstate == LOCK_NOT_AVAILABLE_SQLSTATE:
             raise RowLockTimeout(str(exc.__cause__)) from None
         raise
-    order_id, item_stock = row[0], row[1]
+    order_id, item_stock, current_sale = row[0], row[1], row[2]
     if order_id is None:
+        if current_sale != item.current_sale_id:
+            raise SaleRestarted(f"{item.sku}: sale {item.current_sale_id} is over")
         return None
     fields = {
         "id": order_id,
@@ -201,8 +211,104 @@ def sell(
         "created_at": now,
         "updated_at": now,
     }
-    levels = {int(index): left for index, left in (row[2] or {}).items()} if shards else {}
+    levels = {int(index): left for index, left in (row[3] or {}).items()} if shards else {}
     return Sold(item=item, order_fields=fields, item_stock=item_stock, shard_levels=levels)
+
+
+def sell_batch(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Write many checkouts' sales from stock rows in one statement and one commit (group
+    commit); one answer per request, in order.
+
+    Each request is what `SaleRecorder.request` builds plus `rows` ({index: units}). Each is
+    its own sale with its own guards (`inventory_sell_batch`, migration 0006): a refusal
+    writes nothing for that request and never undoes the others. An answer is
+    `{"o": outcome, "id": order id or None, "at": when the orders were placed}`, the outcome
+    one of sold, short, restarted, duplicate, limit. Must run outside a transaction: it
+    commits on return. Raises RowLockTimeout when a row stayed locked by another transaction
+    for FLASHSALE_ROW_LOCK_TIMEOUT_MS (then nothing of the batch is written).
+    """
+    at = timezone.now()
+    try:
+        with prepared_cursor() as cursor:
+            cursor.execute(
+                "SELECT n, order_id, outcome FROM inventory_sell_batch(%s::jsonb, %s, %s)",
+                [
+                    json.dumps(requests, separators=(",", ":")),
+                    at,
+                    f"{int(settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS)}ms",
+                ],
+            )
+            rows = cursor.fetchall()
+    except DatabaseError as exc:
+        if getattr(exc.__cause__, "sqlstate", None) == LOCK_NOT_AVAILABLE_SQLSTATE:
+            raise RowLockTimeout(str(exc.__cause__)) from None
+        raise
+    stamp = at.isoformat()
+    return [{"o": outcome, "id": order_id, "at": stamp} for _, order_id, outcome in rows]
+
+
+@dataclass(frozen=True)
+class SaleRecorder:
+    """Writes one checkout's sale (the `RecordOrder` strategies are handed): the buyer's side of
+    the order is fixed here, each call says where the units come from."""
+
+    item: Item
+    qty: int
+    buyer: str
+    idempotency_key: str | None = None
+    limit: int | None = None
+    #: Served by the database fallback while Redis is down.
+    fallback: bool = False
+
+    def __call__(self, allocation: Allocation) -> Sold | None:
+        return sell(
+            item=self.item,
+            qty=self.qty,
+            buyer=self.buyer,
+            served_by=allocation.strategy,
+            idempotency_key=self.idempotency_key,
+            limit=self.limit,
+            fallback=self.fallback or allocation.fallback,
+            shard_units=allocation.shard_units,
+            expected_version=allocation.expected_version,
+            set_stock=allocation.set_stock,
+        )
+
+    def as_fallback(self) -> SaleRecorder:
+        return replace(self, fallback=True)
+
+    def request(self, *, served_by: str) -> dict[str, Any]:
+        """The sale as `sell_batch` takes it, less its `rows`."""
+        return {
+            "item": self.item.pk,
+            "sale": self.item.current_sale_id,
+            "qty": self.qty,
+            "buyer": self.buyer,
+            "key": self.idempotency_key or None,
+            "limit": self.limit,
+            "served_by": served_by,
+            "fallback": self.fallback,
+        }
+
+    def sold(
+        self, *, order_id: int, served_by: str, shard_units: dict[int, int], placed_at: datetime
+    ) -> Sold:
+        """The sale `sell_batch` committed for this checkout."""
+        units = {str(index): taken for index, taken in sorted(shard_units.items())}
+        fields = {
+            "id": order_id,
+            "sale_id": self.item.current_sale_id,
+            "buyer": self.buyer,
+            "qty": self.qty,
+            "status": OrderStatus.PENDING,
+            "idempotency_key": self.idempotency_key or None,
+            "served_by": served_by,
+            "fallback": self.fallback,
+            "shard_units": units,
+            "created_at": placed_at,
+            "updated_at": placed_at,
+        }
+        return Sold(item=self.item, order_fields=fields, item_stock=None)
 
 
 class _PreparingCursor(psycopg.Cursor):
@@ -247,20 +353,20 @@ def _sale_sql(shard_count: int, *, absolute: bool, versioned: bool, limited: boo
     # setting is made by a one-time filter of each UPDATE, before it scans, so before any wait.
     ctes = ["bound AS MATERIALIZED (SELECT set_config('lock_timeout', %(lock_timeout)s, true))"]
     bounded = " AND EXISTS (SELECT 1 FROM bound)"
+    # Stock rows: the item row is read (is the sale still current?), never written; a plain
+    # read takes no row lock.
+    current = (
+        f" AND EXISTS (SELECT 1 FROM {_ITEM} WHERE id = %(item)s AND current_sale_id = %(sale)s)"
+    )
     ctes += [
         f"s{n} AS (UPDATE {_SHARD} SET stock = stock - %(su{n})s, version = version + 1"
         f" WHERE sale_id = %(sale)s AND index = %(si{n})s AND stock >= %(su{n})s{bounded}"
-        " RETURNING index, stock)"
+        f"{current} RETURNING index, stock)"
         for n in range(shard_count)
     ]
-    current = " AND current_sale_id = %(sale)s"
     if shard_count:
-        # Stock rows: the item row is read, not written (a plain read takes no row lock).
-        taken = "".join(f" AND EXISTS (SELECT 1 FROM s{n})" for n in range(shard_count))
-        ctes.append(
-            f"taken AS (SELECT NULL::integer AS stock FROM {_ITEM}"
-            f" WHERE id = %(item)s{current}{taken})"
-        )
+        taken = " AND ".join(f"EXISTS (SELECT 1 FROM s{n})" for n in range(shard_count))
+        ctes.append(f"taken AS (SELECT NULL::integer AS stock WHERE {taken})")
     else:
         if absolute:
             assignment, guard = "stock = %(set_stock)s", bounded
@@ -270,7 +376,7 @@ def _sale_sql(shard_count: int, *, absolute: bool, versioned: bool, limited: boo
             guard += " AND version = %(version)s"
         ctes.append(
             f"taken AS (UPDATE {_ITEM} SET {assignment}, version = version + 1"
-            f" WHERE id = %(item)s{current}{guard} RETURNING stock)"
+            f" WHERE id = %(item)s AND current_sale_id = %(sale)s{guard} RETURNING stock)"
         )
     if limited:
         ctes.append(
@@ -285,7 +391,11 @@ def _sale_sql(shard_count: int, *, absolute: bool, versioned: bool, limited: boo
         " SELECT %(item)s, %(sale)s, %(buyer)s, %(qty)s, 'pending', %(key)s, %(served_by)s,"
         " %(fallback)s, %(shard_units)s::jsonb, %(now)s, %(now)s FROM taken RETURNING id)"
     )
-    columns = ["(SELECT id FROM placed)", "(SELECT stock FROM taken)"]
+    columns = [
+        "(SELECT id FROM placed)",
+        "(SELECT stock FROM taken)",
+        f"(SELECT current_sale_id FROM {_ITEM} WHERE id = %(item)s)",
+    ]
     if shard_count:
         levels = " UNION ALL ".join(f"SELECT index, stock FROM s{n}" for n in range(shard_count))
         parts = " + ".join(
@@ -329,6 +439,12 @@ def set_shard_stock(sale_id: int, index: int, units: int) -> None:
     StockShard.objects.filter(sale_id=sale_id, index=index).update(
         stock=units, version=F("version") + 1
     )
+
+
+def ensure_current(item: Item) -> None:
+    """Raise SaleRestarted unless item's sale is still its current one."""
+    if not Item.objects.filter(pk=item.pk, current_sale_id=item.current_sale_id).exists():
+        raise SaleRestarted(f"{item.sku}: sale {item.current_sale_id} is over")
 
 
 def shard_stocks(sale_id: int | None, *, for_update: bool = False) -> dict[int, int]:

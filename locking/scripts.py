@@ -181,55 +181,157 @@ end
 return redis.call('decrby', KEYS[1], qty)
 """
 
-# KEYS[1] cursor (an integer key, created at 1 on first use), KEYS[2..n+1] the stock counters
-# of one item's n stock rows (index i is KEYS[i + 2])
-# ARGV[1] quantity (positive integer)
-# Returns {-2} when any counter does not exist, {-1, units left in all} when the counters
-# together hold less than the quantity (nothing changed then), otherwise the units taken as a
-# flat list {index, units, index, units, ...}: from one counter that holds the whole quantity
-# when one does (the first such counter at or after the cursor's position, so that takers
-# spread over the rows in turn), else from several, lowest index first. Every counter is read
-# and decremented in the one script, so concurrent takers cannot oversell any of them.
-STOCK_TAKE_SPREAD = """
-local n = #KEYS - 1
-local qty = tonumber(ARGV[1])
-local levels = redis.call('mget', unpack(KEYS, 2))
-local total = 0
-for i = 1, n do
-    if not levels[i] then
-        return {-2}
+# A Lua function shared by the scripts that take units spread over several counters (prefixed
+# to their text). take_spread(cursor, first, qty) reads the counters KEYS[first..#KEYS] (the
+# stock rows of one item; counter i is row i - first) and returns {-2} when one does not exist,
+# {-1, units left in all} when together they hold less than qty (nothing changed then),
+# otherwise the units taken as a flat list {row, units, row, units, ...}: from one counter that
+# holds all of qty when one does (the first such counter at or after the cursor key's position,
+# so that takers land on the rows in turn), else from several, lowest row first. Every counter
+# is read and decremented in the one script, so concurrent takers cannot oversell any of them.
+_TAKE_SPREAD_FUNCTION = """
+local function take_spread(cursor, first, qty)
+    local n = #KEYS - first + 1
+    local levels = redis.call('mget', unpack(KEYS, first))
+    local total = 0
+    for i = 1, n do
+        if not levels[i] then
+            return {-2}
+        end
+        local level = tonumber(levels[i])
+        if not level then
+            return redis.error_reply('stock counter ' .. KEYS[first + i - 1] .. ' is no integer')
+        end
+        levels[i] = level
+        total = total + level
     end
-    local level = tonumber(levels[i])
-    if not level then
-        return redis.error_reply('stock counter ' .. KEYS[i + 1] .. ' does not hold an integer')
+    if total < qty then
+        return {-1, total}
     end
-    levels[i] = level
-    total = total + level
-end
-if total < qty then
-    return {-1, total}
-end
-local start = redis.call('incr', KEYS[1]) % n
-for step = 0, n - 1 do
-    local i = (start + step) % n + 1
-    if levels[i] >= qty then
-        redis.call('decrby', KEYS[i + 1], qty)
-        return {i - 1, qty}
+    local start = redis.call('incr', cursor) % n
+    for step = 0, n - 1 do
+        local i = (start + step) % n + 1
+        if levels[i] >= qty then
+            redis.call('decrby', KEYS[first + i - 1], qty)
+            return {i - 1, qty}
+        end
     end
-end
-local taken = {}
-local needed = qty
-for i = 1, n do
-    if needed > 0 and levels[i] > 0 then
-        local units = math.min(levels[i], needed)
-        redis.call('decrby', KEYS[i + 1], units)
-        taken[#taken + 1] = i - 1
-        taken[#taken + 1] = units
-        needed = needed - units
+    local taken = {}
+    local needed = qty
+    for i = 1, n do
+        if needed > 0 and levels[i] > 0 then
+            local units = math.min(levels[i], needed)
+            redis.call('decrby', KEYS[first + i - 1], units)
+            taken[#taken + 1] = i - 1
+            taken[#taken + 1] = units
+            needed = needed - units
+        end
     end
+    return taken
 end
-return taken
 """
+
+# KEYS[1] cursor (an integer key, created at 1 on first use), KEYS[2..n+1] the stock counters
+# of one item's n stock rows
+# ARGV[1] quantity (positive integer)
+# Returns what take_spread returns (above).
+STOCK_TAKE_SPREAD = (
+    _TAKE_SPREAD_FUNCTION
+    + """
+return take_spread(KEYS[1], 2, tonumber(ARGV[1]))
+"""
+)
+
+# Group commit: takers queue their sale in the same script that takes its units; whoever finds
+# the combiner lock free takes it and writes the queued sales in batches, answering each taker
+# on its reply key. Helper keys, all passed or derived from ARGV:
+#   queue             list of entries "<request id>|<request JSON>", oldest first
+#   combiner lock     the token of the taker writing batches now, or "handoff:<request id>"
+#                     while it is handed to the taker of that request
+#   <reply prefix><request id>   the answer to one request (a JSON object), or
+#                     {"o":"combine"} when the lock is handed to that request's taker
+# The enqueue checks the lock in the same script, and the release checks the queue in the same
+# script, so a queued request is never left with nobody to write it while its taker waits.
+# Correctness does not depend on the lock: two combiners at once (an expired lock) write
+# disjoint batches (LPOP is atomic) and the database guards every sale.
+_HAND_ON_FUNCTION = """
+local function hand_on(queue, lock, ttl, reply_prefix)
+    local first = redis.call('lindex', queue, 0)
+    if not first then
+        redis.call('del', lock)
+        return 1
+    end
+    local id = string.match(first, '^([^|]*)|')
+    redis.call('set', lock, 'handoff:' .. id, 'PX', ttl)
+    local reply = reply_prefix .. id
+    redis.call('rpush', reply, '{"o":"combine"}')
+    redis.call('pexpire', reply, 60000)
+    return 2
+end
+"""
+
+# KEYS[1] cursor, KEYS[2] queue, KEYS[3] combiner lock, KEYS[4..n+3] the stock counters
+# ARGV[1] quantity, ARGV[2] request id (no "|"), ARGV[3] the request as a JSON object missing
+# its last member and closing brace (the script appends `,"rows":{...}}`), ARGV[4] token,
+# ARGV[5] combiner lock TTL in ms
+# Returns {-2} or {-1, left} as take_spread (nothing queued then), otherwise
+# {1 when this caller now holds the combiner lock else 0, the queued entry, row, units, ...}.
+TAKE_AND_ENQUEUE = (
+    _TAKE_SPREAD_FUNCTION
+    + """
+local taken = take_spread(KEYS[1], 4, tonumber(ARGV[1]))
+if taken[1] < 0 then
+    return taken
+end
+local rows = {}
+for i = 1, #taken, 2 do
+    rows[#rows + 1] = '"' .. taken[i] .. '":' .. taken[i + 1]
+end
+local entry = ARGV[2] .. '|' .. ARGV[3] .. ',"rows":{' .. table.concat(rows, ',') .. '}}'
+redis.call('rpush', KEYS[2], entry)
+local combiner = 0
+if redis.call('set', KEYS[3], ARGV[4], 'NX', 'PX', ARGV[5]) then
+    combiner = 1
+end
+local reply = {combiner, entry}
+for i = 1, #taken do
+    reply[#reply + 1] = taken[i]
+end
+return reply
+"""
+)
+
+# KEYS[1] queue, KEYS[2] combiner lock
+# ARGV[1] the caller's token, ARGV[2] lock TTL in ms, ARGV[3] reply key prefix
+# Returns 0 when the lock is not the caller's (it expired: nothing changed), 1 when it was
+# released (nothing queued), 2 when it was handed to the taker of the oldest queued request.
+RELEASE_COMBINER = (
+    _HAND_ON_FUNCTION
+    + """
+if redis.call('get', KEYS[2]) ~= ARGV[1] then
+    return 0
+end
+return hand_on(KEYS[1], KEYS[2], ARGV[2], ARGV[3])
+"""
+)
+
+# KEYS[1] queue, KEYS[2] combiner lock
+# ARGV[1] the queued entry, ARGV[2] "handoff:<its request id>", ARGV[3] lock TTL in ms,
+# ARGV[4] reply key prefix
+# A taker that gives up waiting removes its entry. Returns 1 when it was still queued (no
+# combiner took it: it will never be written), 0 when a combiner took it already. If the lock
+# had just been handed to this taker, it is handed on, so a taker that leaves never strands
+# the others.
+WITHDRAW_REQUEST = (
+    _HAND_ON_FUNCTION
+    + """
+local removed = redis.call('lrem', KEYS[1], 1, ARGV[1])
+if redis.call('get', KEYS[2]) == ARGV[2] then
+    hand_on(KEYS[1], KEYS[2], ARGV[3], ARGV[4])
+end
+return removed
+"""
+)
 
 # KEYS[1] stock counter
 # ARGV[1] quantity (positive integer)

@@ -152,6 +152,14 @@ FLASHSALE_REDIS_PREFIX = env.str("FLASHSALE_REDIS_PREFIX", default="flashsale")
 # Stock rows per sale: `segmented`'s shards (each with its own lock) and `lua`'s stripes.
 FLASHSALE_SHARDS = env.int("FLASHSALE_SHARDS", default=10)
 FLASHSALE_STRIPES = env.int("FLASHSALE_STRIPES", default=10)
+# `lua` group commit: sales queued in Redis, written by one buyer for all in one commit (off:
+# one commit per sale, which is faster on 2 cores; see docs/design.md).
+FLASHSALE_GROUP_COMMIT = env.bool("FLASHSALE_GROUP_COMMIT", default=False)
+FLASHSALE_GROUP_COMMIT_BATCH = env.int("FLASHSALE_GROUP_COMMIT_BATCH", default=100)
+# How long a checkout may use an item read by an earlier one (strategies that allow it).
+FLASHSALE_ITEM_MEMORY_MS = env.int("FLASHSALE_ITEM_MEMORY_MS", default=1000)
+# How long a buyer waits for its batch's answer before it is told `busy`.
+FLASHSALE_GROUP_COMMIT_WAIT_MS = env.int("FLASHSALE_GROUP_COMMIT_WAIT_MS", default=3000)
 FLASHSALE_MAX_QTY = env.int("FLASHSALE_MAX_QTY", default=100)
 # Lock: time to live, how long a buyer waits for it, and whether a watchdog renews it.
 FLASHSALE_LOCK_TTL_MS = env.int("FLASHSALE_LOCK_TTL_MS", default=5000)

@@ -118,21 +118,25 @@ def test_a_retry_gets_its_order_back_after_the_sale_sold_out_and_the_limit_is_re
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_key_costs_no_query_until_a_checkout_is_refused_or_repeated(client):
+def test_a_lua_checkout_costs_one_statement_and_a_sold_out_answer_none(client):
     from django.test.utils import CaptureQueriesContext
 
-    start_sale(sku="widget", stock=5, strategy="lua")
+    start_sale(sku="widget", stock=3, strategy="lua")
 
-    def queries(**body) -> int:
+    def queries(status: int = 201, **body) -> int:
         with CaptureQueriesContext(connection) as captured:
-            assert _checkout(client, sku="widget", qty=1, **body).status_code == 201
+            assert _checkout(client, sku="widget", qty=1, **body).status_code == status
         return len(captured)
 
-    # the item read and the sale statement, with a key or without
-    assert queries(buyer="ann") == queries(buyer="bob", idempotency_key="k-bob") == 2
-    # a retry: those, and the read of the order the key already names
-    assert queries(buyer="bob", idempotency_key="k-bob") == 3
-    assert Order.objects.count() == 2 and Item.objects.get(sku="widget").units_left == 3
+    # the first checkout reads the item; later ones use that read (the sale statement guards
+    # the sale it was made for), with a key or without: only the sale statement
+    assert queries(buyer="ann") == 2
+    assert queries(buyer="bob", idempotency_key="k-bob") == queries(buyer="cy") == 1
+    # a retry: the sale statement, which collides with the key, and the read of its order
+    assert queries(buyer="bob", idempotency_key="k-bob") == 2
+    # sold out: Redis answers, the database is not asked at all
+    assert queries(status=409, buyer="dee") == 0
+    assert Order.objects.count() == 3 and Item.objects.get(sku="widget").units_left == 0
 
 
 @pytest.mark.django_db(transaction=True)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from datetime import datetime
+from typing import Any, ClassVar, Protocol
 
 from ..models import Item, Order
 from ..stock import Sold
@@ -31,11 +31,25 @@ class Allocation:
         return replace(self, fallback=True)
 
 
-#: Takes the allocation's units and writes the order row (and anything else the checkout
-#: records) all at once: the committed sale, or None when a guard refused and nothing changed.
-#: Raises `inventory.stock.HalfDone` when a multi-row allocation was refused part way (nothing
-#: changed either).
-RecordOrder = Callable[[Allocation], Sold | None]
+class RecordOrder(Protocol):
+    """Writes the checkout's sale (`inventory.stock.SaleRecorder`)."""
+
+    def __call__(self, allocation: Allocation) -> Sold | None:
+        """Take the allocation's units and write the order row (and anything else the checkout
+        records) all at once: the committed sale, or None when a guard refused and nothing
+        changed. Raises `inventory.stock.HalfDone` when a multi-row allocation was refused part
+        way (nothing changed either)."""
+
+    def as_fallback(self) -> RecordOrder:
+        """The same checkout, recorded as served by the database fallback."""
+
+    def request(self, *, served_by: str) -> dict[str, Any]:
+        """The sale as `inventory.stock.sell_batch` takes it (less its rows), for group commit."""
+
+    def sold(
+        self, *, order_id: int, served_by: str, shard_units: dict[int, int], placed_at: datetime
+    ) -> Sold:
+        """The sale `inventory.stock.sell_batch` committed for this checkout."""
 
 
 class StockStrategy(ABC):
@@ -58,8 +72,12 @@ class StockStrategy(ABC):
     uses_redis: ClassVar[bool] = False
     #: Whether the strategy keeps a count of the units left in Redis (checked by the audit).
     counts_in_redis: ClassVar[bool] = False
-    #: How many stock shards the strategy keeps for an item (0: the item row alone).
+    #: How many stock rows the strategy keeps for an item's sale (0: the item row alone).
     shard_count: ClassVar[int] = 0
+    #: Whether a checkout may use an item read a moment ago (FLASHSALE_ITEM_MEMORY_MS): true
+    #: when everything the strategy decides with is kept per sale and checked at the write,
+    #: and it raises `inventory.stock.SaleRestarted` when it finds the sale restarted.
+    item_may_be_remembered: ClassVar[bool] = False
 
     @abstractmethod
     def take(self, *, item: Item, qty: int, buyer: str, record: RecordOrder) -> Order:

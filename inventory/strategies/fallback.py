@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..breaker import CircuitBreaker
 from ..models import Item, Order
 from ..redis_client import REDIS_DOWN_ERRORS
-from .base import Allocation, RecordOrder, StockStrategy
+from .base import RecordOrder, StockStrategy
 
 
 class RedisWithFallback(StockStrategy):
@@ -27,6 +27,9 @@ class RedisWithFallback(StockStrategy):
         self.name = primary.name
         self.shard_count = primary.shard_count
         self.counts_in_redis = primary.counts_in_redis
+        # The fallback decides from the database rows of the sale (and refuses a sale that is
+        # no longer current) just as well.
+        self.item_may_be_remembered = primary.item_may_be_remembered
 
     def take(self, *, item: Item, qty: int, buyer: str, record: RecordOrder) -> Order:
         if self.breaker.allow():
@@ -34,11 +37,7 @@ class RedisWithFallback(StockStrategy):
                 return self.primary.take(item=item, qty=qty, buyer=buyer, record=record)
             except REDIS_DOWN_ERRORS as exc:
                 self.breaker.record_failure(exc)
-
-        def record_as_fallback(allocation: Allocation) -> Order:
-            return record(allocation.as_fallback())
-
-        return self.fallback.take(item=item, qty=qty, buyer=buyer, record=record_as_fallback)
+        return self.fallback.take(item=item, qty=qty, buyer=buyer, record=record.as_fallback())
 
     def sync_redis(self, *, item: Item) -> None:
         self.primary.sync_redis(item=item)

@@ -6,6 +6,16 @@ tried in turn, so concurrent buyers land on different rows; the database write t
 decrements that row only, guarded by `stock >= units`. No database row is written by every
 buyer: lua pays for Redis and its own row, not for a queue on the item row.
 
+Group commit (FLASHSALE_GROUP_COMMIT, off by default): the same script also queues the sale in
+Redis, and whichever buyer finds the combiner lock free writes the queued sales of all web
+processes in one statement and one commit (`inventory.stock.sell_batch`), then answers each
+buyer; the others wait for their answer, which comes only once their order row is committed.
+So a buyer costs one script and one wait in Redis, and the database one commit per batch
+rather than per sale. Each sale in a batch keeps its own guards (stock row, per-buyer limit,
+idempotency key). Once a sale is queued it may be written: from then on a Redis failure is
+answered `busy` (a retry with the same idempotency key finds the order), never handed to the
+fallback, which could sell the buyer a second unit.
+
 If the database refuses, a counter was too high (it was rebuilt while other processes still
 sold through the fallback): the counters are set from the database and the take is tried once
 more. If anything else fails before commit, the units go back to the counters.
@@ -14,11 +24,17 @@ more. If anything else fails before commit, the units go back to the counters.
 from __future__ import annotations
 
 import logging
+from datetime import datetime
+from typing import Any
 
 from django.conf import settings
+from django.db import IntegrityError, connection
 
+from locking.combining import GroupCommit, Queued
+
+from .. import stock
 from ..breaker import breaker
-from ..exceptions import Busy, SoldOut
+from ..exceptions import Busy, LimitReached, SoldOut
 from ..models import Item, Order
 from ..redis_client import REDIS_DOWN_ERRORS, get_redis_client
 from ..stock import HalfDone, Sold, shard_stocks, simulate_work
@@ -31,13 +47,29 @@ logger = logging.getLogger(__name__)
 ATTEMPTS = 2
 
 
+def _write_batch(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`stock.sell_batch`, answering `locked` to every request when a row stayed locked (the
+    batch then wrote nothing: its takers give their units back)."""
+    try:
+        return stock.sell_batch(requests)
+    except stock.RowLockTimeout:
+        return [{"o": "locked"}] * len(requests)
+
+
 class LuaStrategy(StockStrategy):
     name = "lua"
     uses_redis = True
     counts_in_redis = True
     shard_count = settings.FLASHSALE_STRIPES
+    # Its counters and rows are the sale's own, and its write refuses a sale restarted since:
+    # a checkout may use an item read a moment ago, and a sold-out answer costs no database
+    # round trip.
+    item_may_be_remembered = True
 
     def take(self, *, item: Item, qty: int, buyer: str, record: RecordOrder) -> Order:
+        # Inside a caller's transaction a batch would not commit before the answer.
+        if settings.FLASHSALE_GROUP_COMMIT and not connection.in_atomic_block:
+            return self._take_grouped(item, qty, record)
         counter = rows.counter()
         keys = rows.row_keys(item)
         cursor = rows.sale_key(item, "turn")
@@ -56,6 +88,77 @@ class LuaStrategy(StockStrategy):
                 return sold.order
             # The database holds fewer units than Redis granted: the counters were too high.
             self._resync(item)
+        return self._refused(item, qty)
+
+    def _take_grouped(self, item: Item, qty: int, record: RecordOrder) -> Order:
+        group = rows.group_commit(item)
+        keys = rows.row_keys(item)
+        cursor = rows.sale_key(item, "turn")
+        request = record.request(served_by=self.name)
+        for _ in range(ATTEMPTS):
+            queued = group.take_and_enqueue(cursor=cursor, counters=keys, qty=qty, request=request)
+            if queued is None:
+                # Redis restarted empty or was never warmed: seed it from the database, once.
+                self._seed(item)
+                queued = group.take_and_enqueue(
+                    cursor=cursor, counters=keys, qty=qty, request=request
+                )
+                if queued is None:
+                    raise Busy(f"{item.sku}: stock counters are being rebuilt")
+            if not isinstance(queued, Queued):
+                raise SoldOut(sku=item.sku, requested=qty)
+            answer = self._settle(item, group, queued)
+            outcome = answer["o"]
+            if outcome == "sold":
+                sold = record.sold(
+                    order_id=answer["id"],
+                    served_by=self.name,
+                    shard_units=queued.taken,
+                    placed_at=datetime.fromisoformat(answer["at"]),
+                )
+                return sold.order
+            if outcome == "short":
+                self._resync(item)  # Redis granted units the database does not hold
+                continue
+            self._give_back(item, queued.taken)
+            if outcome == "duplicate":
+                raise IntegrityError("idempotency key already used")  # replayed by the caller
+            if outcome == "limit":
+                raise LimitReached(sku=item.sku, limit=item.per_buyer_limit or 0)
+            if outcome == "locked":
+                raise stock.RowLockTimeout(f"{item.sku}: a stock row stayed locked")
+            raise stock.SaleRestarted(f"{item.sku}: sale {item.current_sale_id} is over")
+        return self._refused(item, qty)
+
+    def _settle(self, item: Item, group: GroupCommit, queued: Queued) -> dict[str, Any]:
+        """The batch's answer to our queued sale; Busy when none can be had."""
+        wait = settings.FLASHSALE_GROUP_COMMIT_WAIT_MS / 1000
+        try:
+            answer = group.settle(queued, _write_batch, wait)
+            if answer is None:
+                if group.withdraw(queued):  # no combiner took it: it will never be written
+                    self._give_back(item, queued.taken)
+                    raise Busy(
+                        f"{item.sku}: no batch took the sale in time",
+                        retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+                    )
+                answer = group.answer_for(queued, wait)
+        except REDIS_DOWN_ERRORS as exc:
+            breaker.record_failure(exc)
+            raise Busy(
+                f"{item.sku}: Redis failed after the sale was queued ({exc.__class__.__name__})",
+                retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+            ) from None
+        if answer is None or answer["o"] == "failed":
+            # Taken by a batch that did not answer or failed: it may be committed or not.
+            raise Busy(
+                f"{item.sku}: the batch holding the sale did not answer",
+                retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+            )
+        return answer
+
+    def _refused(self, item: Item, qty: int) -> Order:
+        stock.ensure_current(item)
         left = sum(shard_stocks(item.current_sale_id).values())
         if left < qty:
             raise SoldOut(sku=item.sku, requested=qty, remaining=left)
@@ -75,6 +178,8 @@ class LuaStrategy(StockStrategy):
             raise
 
     def _seed(self, item: Item) -> None:
+        # Counters are missing when Redis lost them, or when a restart dropped this sale's.
+        stock.ensure_current(item)
         levels = shard_stocks(item.current_sale_id)
         pipe = get_redis_client().pipeline(transaction=False)
         for index, units in levels.items():

@@ -9,7 +9,10 @@ before the database write).
 
 from __future__ import annotations
 
+from django.conf import settings
+
 from locking import StockCounter
+from locking.combining import GroupCommit
 
 from ..models import Item, Order
 from ..redis_client import get_redis_client, redis_key
@@ -36,6 +39,18 @@ def returned_marker(order: Order) -> str:
 
 def counter() -> StockCounter:
     return StockCounter(get_redis_client())
+
+
+def group_commit(item: Item) -> GroupCommit:
+    """The queue and combiner lock through which `lua` writes item's sales in batches."""
+    return GroupCommit(
+        get_redis_client(),
+        queue=sale_key(item, "commits"),
+        lock=sale_key(item, "combiner"),
+        reply_prefix=sale_key(item, "answer", ""),
+        lock_ttl_ms=settings.FLASHSALE_LOCK_TTL_MS,
+        batch=settings.FLASHSALE_GROUP_COMMIT_BATCH,
+    )
 
 
 def write_rows(item: Item, levels: dict[int, int]) -> list[int]:

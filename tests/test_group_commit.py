@@ -1,0 +1,176 @@
+"""`lua` with group commit: checkouts of every web process queued in Redis and written in shared
+commits. Each sale keeps its own guards, every 201 has its committed order, nothing is oversold
+or stranded, and a taker that is never written gets its units back."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from inventory import stock
+from inventory.exceptions import Busy
+from inventory.models import BuyerAllowance, Item, Order
+from inventory.selectors import audit_sale
+from inventory.services import place_order, start_sale
+from inventory.strategies import rows
+from loadtest.flood import flood
+from locking.combining import GroupCommit, Queued
+from tests.conftest import start_shop
+
+STOCK = 60
+BUYERS = 24
+ATTEMPTS = 200
+ROUNDS = 3
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(scope="module")
+def grouped_shop(django_db_setup, django_db_blocker):
+    server = start_shop(FLASHSALE_GROUP_COMMIT="true")
+    yield server
+    server.stop()
+
+
+def test_a_flood_through_group_commit_sells_exactly_the_stock_in_shared_commits(grouped_shop):
+    batched = 0
+    for round_number in range(ROUNDS):
+        # Given a lua sale whose checkouts are written in batches
+        sku = f"grouped-{uuid.uuid4().hex[:8]}"
+        start_sale(sku=sku, stock=STOCK, strategy="lua")
+
+        # When a crowd larger than the stock buys, many at a time
+        result = flood(grouped_shop.url, sku, attempts=ATTEMPTS, concurrency=BUYERS)
+
+        # Then exactly the stock is sold, each 201 is a committed order, nothing else is
+        context = f"round {round_number}: {dict(result.statuses)} {dict(result.errors)}"
+        assert result.transport_failures == 0 and result.server_errors == 0, context
+        assert result.accepted == STOCK, context
+        assert result.errors == {"sold_out": ATTEMPTS - STOCK}, context
+        stored = Order.objects.filter(item__sku=sku)
+        assert sorted(result.order_ids) == sorted(stored.values_list("pk", flat=True)), context
+        audit = audit_sale(sku)
+        assert audit["oversold"] == 0 and audit["remaining"] == 0, audit
+        assert audit["db_stock"] == audit["redis_stock"] == 0 and audit["consistent"], audit
+        # and orders shared commits: a batch stamps its orders with one time
+        batched += stored.count() - stored.values("created_at").distinct().count()
+    assert batched > 0
+
+
+def _request(item: Item, **changes) -> dict:
+    request = {
+        "item": item.pk,
+        "sale": item.current_sale_id,
+        "qty": 1,
+        "buyer": "ann",
+        "key": None,
+        "limit": None,
+        "served_by": "lua",
+        "fallback": False,
+        "rows": {"0": 1},
+    }
+    return {**request, **changes}
+
+
+def test_each_sale_of_a_batch_keeps_its_own_guards():
+    # Given a lua sale of 10 units (one per stripe) with a limit of 2 per buyer
+    start_sale(sku="guards", stock=10, strategy="lua", limit=2)
+    old = Item.objects.get(sku="guards")
+    start_sale(sku="guards", stock=10, strategy="lua", limit=2)
+    item = Item.objects.get(sku="guards")
+
+    # When one batch holds a good sale and one of each kind of refusal
+    answers = stock.sell_batch(
+        [
+            _request(item, key="k1", limit=2),
+            _request(item, key="k1", limit=2, rows={"1": 1}),  # the same key again
+            _request(item, rows={"2": 5}, qty=5),  # more than its stripe holds
+            _request(item, buyer="bob", limit=2, rows={"3": 1}),
+            _request(item, buyer="bob", limit=2, rows={"4": 1}),
+            _request(item, buyer="bob", limit=2, rows={"5": 1}),  # past bob's limit
+            _request(old, buyer="cy", rows={"6": 1}),  # a sale restarted since
+        ]
+    )
+
+    # Then each is answered for itself, and only the good ones wrote anything
+    assert [answer["o"] for answer in answers] == [
+        "sold",
+        "duplicate",
+        "short",
+        "sold",
+        "sold",
+        "limit",
+        "restarted",
+    ]
+    sold = [answer["id"] for answer in answers if answer["o"] == "sold"]
+    assert sorted(Order.objects.values_list("pk", flat=True)) == sorted(sold)
+    assert Item.objects.get(pk=item.pk).units_left == 7
+    levels = stock.shard_stocks(item.current_sale_id)
+    assert [levels[index] for index in range(7)] == [0, 1, 1, 0, 0, 1, 1]
+    assert BuyerAllowance.objects.get(sale=item.current_sale, buyer="bob").units == 2
+    # and the answers are what the combiner pushes to each taker: JSON, one commit time
+    assert json.loads(json.dumps(answers)) == answers
+    assert len({answer["at"] for answer in answers}) == 1
+
+
+def test_a_taker_no_combiner_answers_withdraws_and_gets_its_units_back(settings):
+    # Given a lua sale through group commit whose combiner lock a dead process holds
+    settings.FLASHSALE_GROUP_COMMIT = True
+    settings.FLASHSALE_GROUP_COMMIT_WAIT_MS = 300
+    start_sale(sku="stalled", stock=10, strategy="lua")
+    item = Item.objects.get(sku="stalled")
+    group = rows.group_commit(item)
+    group.redis.set(group.lock, "a-dead-combiner", px=60_000)
+
+    # When a buyer checks out: its sale is queued and nobody writes it
+    with pytest.raises(Busy) as refused:
+        place_order(sku="stalled", qty=1, buyer="ann")
+
+    # Then it was told busy, took its sale out of the queue (it will never be written) and
+    # gave its unit back: nothing sold, Redis and the database agree
+    assert "no batch took the sale in time" in str(refused.value)
+    assert group.redis.llen(group.queue) == 0
+    assert not Order.objects.exists()
+    audit = audit_sale("stalled")
+    assert audit["db_stock"] == audit["redis_stock"] == 10 and audit["consistent"], audit
+
+
+def test_a_combiner_hands_the_lock_to_the_oldest_waiting_taker():
+    start_sale(sku="handoff", stock=10, strategy="lua")
+    item = Item.objects.get(sku="handoff")
+    group: GroupCommit = rows.group_commit(item)
+    take = {"cursor": rows.sale_key(item, "turn"), "counters": rows.row_keys(item), "qty": 1}
+
+    # Given a combiner and a taker who queued behind it
+    first = group.take_and_enqueue(request={"buyer": "a"}, **take)
+    second = group.take_and_enqueue(request={"buyer": "b"}, **take)
+    assert first.combiner and not second.combiner
+    written: list[list[dict]] = []
+
+    def write(requests: list[dict]) -> list[dict]:
+        written.append(requests)
+        return [{"o": "test", "buyer": request["buyer"]} for request in requests]
+
+    # When the combiner writes: both sales in one batch
+    assert group.settle(first, write, wait=1) == {"o": "test", "buyer": "a"}
+    assert [[request["buyer"] for request in batch] for batch in written] == [["a", "b"]]
+    assert group.settle(second, write, wait=1) == {"o": "test", "buyer": "b"}
+
+    # Then a taker that queues while a combiner writes gets the lock handed over: it writes
+    # its own sale (and anyone's behind it) without waiting for a newcomer
+    late: dict[str, Queued] = {}
+
+    def write_while_another_queues(requests: list[dict]) -> list[dict]:
+        late["taker"] = group.take_and_enqueue(request={"buyer": "late"}, **take)
+        return write(requests)
+
+    third = group.take_and_enqueue(request={"buyer": "c"}, **take)
+    assert third.combiner  # nobody held the lock
+    assert group.settle(third, write_while_another_queues, wait=1) == {"o": "test", "buyer": "c"}
+    taker = late["taker"]
+    assert not taker.combiner
+    assert group.redis.get(group.lock) == f"handoff:{taker.request_id}".encode()
+    assert group.settle(taker, write, wait=1) == {"o": "test", "buyer": "late"}
+    assert group.redis.get(group.lock) is None and group.redis.llen(group.queue) == 0

@@ -1,0 +1,84 @@
+"""Items sold from stock rows (`segmented` shards, `lua` stripes): a flood writes the rows and
+never the item row, the database refuses what a wrong Redis grants, and the item's stock is
+derived from the rows."""
+
+from __future__ import annotations
+
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from django.db import connection
+
+from inventory.exceptions import Busy, SoldOut
+from inventory.models import Item, Order
+from inventory.orders import reconcile_sale
+from inventory.selectors import audit_sale
+from inventory.services import place_order, start_sale
+from inventory.strategies import rows
+from loadtest.flood import flood
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.mark.parametrize("strategy", ["segmented", "lua"])
+def test_a_flood_writes_the_stock_rows_and_leaves_the_item_row_alone(shop_server, strategy):
+    # Given a sale from stock rows
+    sku = f"rows-{strategy}-{uuid.uuid4().hex[:6]}"
+    start_sale(sku=sku, stock=80, strategy=strategy)
+    before = Item.objects.get(sku=sku)
+
+    # When a crowd buys it out
+    result = flood(shop_server.url, sku, attempts=240, concurrency=24)
+
+    # Then exactly the stock was sold, and the item row was never written: its stock and
+    # version are those the sale started with, while its derived stock is 0
+    assert result.accepted == 80 and result.server_errors == 0, dict(result.statuses)
+    after = Item.objects.get(sku=sku)
+    assert (after.stock, after.version) == (before.stock, before.version) == (80, before.version)
+    assert after.units_left == 0
+    audit = audit_sale(sku)
+    assert audit["db_stock"] == 0 and audit["oversold"] == 0 and audit["consistent"], audit
+    # and the reconciler folds the rows' total into the item row
+    assert reconcile_sale(sku) == []
+    assert Item.objects.get(sku=sku).stock == 0
+
+
+@pytest.mark.parametrize("group_commit", [False, True], ids=["commit-per-sale", "group-commit"])
+def test_lua_counters_set_too_high_are_refused_by_the_database(settings, group_commit):
+    # Given a lua sale of 20 units whose Redis counters claim 1000 units per stripe
+    settings.FLASHSALE_GROUP_COMMIT = group_commit
+    sku = f"too-high-{uuid.uuid4().hex[:6]}"
+    start_sale(sku=sku, stock=20, strategy="lua")
+    item = Item.objects.get(sku=sku)
+    rows.write_rows(item, {index: 1000 for index in range(item.shard_count)})
+
+    # When 16 threads buy one unit each until they are told sold out
+    def buyer(number: int) -> int:
+        bought = 0
+        try:
+            for attempt in range(200):
+                try:
+                    place_order(sku=sku, qty=1, buyer=f"t{number}-{attempt}")
+                    bought += 1
+                except Busy:
+                    continue
+                except SoldOut:
+                    return bought
+            return bought
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(16) as pool:
+        bought = sum(pool.map(buyer, range(16)))
+
+    # Then the database sold exactly its 20 units and not one more
+    assert bought == 20
+    assert Order.objects.filter(item=item).count() == 20
+    audit = audit_sale(sku)
+    assert audit["oversold"] == 0 and audit["accepted_units"] == 20, audit
+    assert audit["db_stock"] == 0, audit
+    # and once settled the reconciler leaves Redis agreeing with the database
+    reconcile_sale(sku)
+    audit = audit_sale(sku)
+    assert audit["redis_stock"] == 0 and audit["consistent"], audit
