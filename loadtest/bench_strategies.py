@@ -66,6 +66,9 @@ SAFE_EXCEPTIONS = {"unsafe"}
 EVALSHA = "raw EVALSHA"
 EVALSHA_SELL = "take + row sale (SQL)"
 HOT_ROW = "hot row (SQL)"
+#: `lua` with FLASHSALE_GROUP_COMMIT switched on or off (the other way than configured).
+LUA_GROUPED = "lua, group commit"
+LUA_UNGROUPED = "lua, commit per sale"
 #: Row labels of the peers the lock targets name.
 PYTHON_REDIS_LOCK = "python-redis-lock"
 REDIS_PY_DEFAULT = "redis-py Lock sleep=0.1"
@@ -133,6 +136,8 @@ class Contender:
     strategy: str | None = None  # for kind "strategy": the strategy it runs
     hold_ms: int | None = None  # simulated work in the critical section; None: --hold-ms
     buyers: int | None = None  # buyer processes; None: --buyers
+    #: Settings the buyer processes run with (a variant of a strategy).
+    settings: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -606,9 +611,11 @@ def _buyer(
         from inventory.redis_client import get_redis_client
 
         get_redis_client().ping()
-        if contender.hold_ms is not None:
-            from django.conf import settings
+        from django.conf import settings
 
+        for name, value in contender.settings.items():
+            setattr(settings, name, value)
+        if contender.hold_ms is not None:
             settings.FLASHSALE_HOLD_DELAY_MS = contender.hold_ms
         if contender.kind == "peer":
             import inventory.strategies.lock as lock_strategy
@@ -675,7 +682,7 @@ def _prepare(contender: Contender, stock: int, ceiling_stock: int) -> None:
     elif contender.name == HOT_ROW:
         start_sale(sku=contender.sku, stock=stock, strategy="optimistic", name="Bench hot row")
     elif contender.name == EVALSHA_SELL:
-        start_sale(sku=contender.sku, stock=stock, strategy="lua", name="Bench EVALSHA + sale")
+        start_sale(sku=contender.sku, stock=stock, strategy="lua", name="Bench take + row sale")
     else:
         strategy = contender.strategy if contender.kind == "strategy" else "lock"
         start_sale(sku=contender.sku, stock=stock, strategy=strategy, name=f"Bench {strategy}")
@@ -825,6 +832,12 @@ def _lock_wait_seconds() -> float:
 # -- the whole run ---------------------------------------------------------------------------
 
 
+def _group_commit() -> bool:
+    from django.conf import settings
+
+    return settings.FLASHSALE_GROUP_COMMIT
+
+
 def contenders_for(args: argparse.Namespace) -> list[Contender]:
     contenders = [
         Contender(
@@ -832,6 +845,18 @@ def contenders_for(args: argparse.Namespace) -> list[Contender]:
         )
         for name in args.strategies
     ]
+    if "lua" in args.strategies:
+        # lua with its group commit switched the other way: what sharing commits buys.
+        grouped = not _group_commit()
+        contenders.append(
+            Contender(
+                LUA_GROUPED if grouped else LUA_UNGROUPED,
+                "strategy",
+                "bench-lua-variant",
+                strategy="lua",
+                settings={"FLASHSALE_GROUP_COMMIT": grouped},
+            )
+        )
     if args.work_ms:
         contenders += [
             Contender(
@@ -869,6 +894,11 @@ def ratios(rows: dict[str, Result], work_ms: int = 0) -> list[dict[str, Any]]:
             3, (with_work("segmented", work_ms), with_work("lock", work_ms), WORK_TARGET, "rate")
         )
     pairs += [(name, versus, None, "rate") for name, versus in BOUNDS]
+    pairs += [
+        ("lua", variant, None, "rate")
+        for variant in (LUA_GROUPED, LUA_UNGROUPED)
+        if variant in rows
+    ]
     checks = []
     for name, versus, target, measure in pairs:
         row, versus_row = rows.get(name), rows.get(versus)
