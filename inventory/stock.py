@@ -327,6 +327,9 @@ def prepared_cursor() -> Any:
     poolers in transaction mode: with `DJANGO_DB_PREPARED_STATEMENTS=false` the connection has
     no `prepare_threshold` and psycopg ignores `prepare=True`, so the same code runs unprepared.
     """
+    # What Django's own cursor() does first: a connection the server closed while idle
+    # (restart, failover, idle timeout) is replaced before use, not found dead mid-checkout.
+    connection.close_if_health_check_failed()
     connection.ensure_connection()
     raw = _PreparingCursor(connection.connection)
     if connection.queries_logged:
