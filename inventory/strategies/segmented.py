@@ -33,7 +33,7 @@ from ..breaker import breaker
 from ..exceptions import Busy, SoldOut
 from ..models import Item, Order
 from ..redis_client import REDIS_DOWN_ERRORS, redis_key
-from ..stock import HalfDone, shard_stocks, simulate_work
+from ..stock import HalfDone, ensure_current, shard_stocks, simulate_work
 from . import rows
 from .base import Allocation, RecordOrder, StockStrategy
 from .lock import acquire_lock, ensure_still_held, new_lock, release_quietly
@@ -50,12 +50,17 @@ class SegmentedStrategy(StockStrategy):
     uses_redis = True
     counts_in_redis = True
     shard_count = settings.FLASHSALE_SHARDS
+    # Hints, locks and rows are the sale's own, and its write refuses a sale restarted since:
+    # a checkout may use an item read a moment ago.
+    item_may_be_remembered = True
 
     def take(self, *, item: Item, qty: int, buyer: str, record: RecordOrder) -> Order:
         if not item.shard_count:
             raise RuntimeError(f"{item.sku} has no stock shards: restart its sale")
         hints = rows.counter().get_many(rows.row_keys(item))
         if None in hints:
+            # Redis lost them, or a restart dropped this sale's: only rebuild a current sale's.
+            ensure_current(item)
             hints = rows.sync_rows(item)
         if sum(hints) < qty:
             raise SoldOut(sku=item.sku, requested=qty, remaining=sum(hints))
@@ -105,6 +110,7 @@ class SegmentedStrategy(StockStrategy):
                 locks.append(lock)
             levels = shard_stocks(item.current_sale_id)
             if sum(levels.values()) < qty:
+                ensure_current(item)
                 rows.write_rows(item, levels)
                 raise SoldOut(sku=item.sku, requested=qty, remaining=sum(levels.values()))
             plan: dict[int, int] = {}
@@ -146,9 +152,11 @@ class SegmentedStrategy(StockStrategy):
             sold = None
         if sold is None:
             levels = shard_stocks(item.current_sale_id)
-            self._write_hints_quietly(item, levels)
             if sum(levels.values()) < qty:
+                ensure_current(item)
+                self._write_hints_quietly(item, levels)
                 raise SoldOut(sku=item.sku, requested=qty, remaining=sum(levels.values()))
+            self._write_hints_quietly(item, levels)
             return None
         self._write_hints_quietly(item, sold.shard_levels)
         return sold.order
