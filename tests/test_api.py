@@ -121,7 +121,7 @@ def test_a_retry_gets_its_order_back_after_the_sale_sold_out_and_the_limit_is_re
 def test_a_lua_checkout_costs_one_statement_and_a_sold_out_answer_none(client):
     from django.test.utils import CaptureQueriesContext
 
-    start_sale(sku="widget", stock=3, strategy="lua")
+    start_sale(sku="widget", stock=4, strategy="lua")
 
     def queries(status: int = 201, **body) -> int:
         with CaptureQueriesContext(connection) as captured:
@@ -134,9 +134,10 @@ def test_a_lua_checkout_costs_one_statement_and_a_sold_out_answer_none(client):
     assert queries(buyer="bob", idempotency_key="k-bob") == queries(buyer="cy") == 1
     # a retry: the sale statement, which collides with the key, and the read of its order
     assert queries(buyer="bob", idempotency_key="k-bob") == 2
+    assert queries(buyer="dee") == 1
     # sold out: Redis answers, the database is not asked at all
-    assert queries(status=409, buyer="dee") == 0
-    assert Order.objects.count() == 3 and Item.objects.get(sku="widget").units_left == 0
+    assert queries(status=409, buyer="eve") == 0
+    assert Order.objects.count() == 4 and Item.objects.get(sku="widget").units_left == 0
 
 
 @pytest.mark.django_db(transaction=True)

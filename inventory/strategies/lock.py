@@ -111,11 +111,19 @@ class LockStrategy(StockStrategy):
 
     name = "lock"
     uses_redis = True
+    # Its write refuses a sale restarted since the item was read, and the stock it checks
+    # before taking the lock is only a shortcut (kept up to date by each sale of this process,
+    # read again before a sold-out answer).
+    item_may_be_remembered = True
 
     def take(self, *, item: Item, qty: int, buyer: str, record: RecordOrder) -> Order:
-        # The stock read with the item, no decision: it spares the lock once the item is gone.
+        # The stock read with the item (or left by the last sale of this process), no decision:
+        # it spares the lock once the item is gone. A remembered read may be old, so "gone" is
+        # read again from the database before it is answered.
         if item.stock < qty:
-            raise SoldOut(sku=item.sku, requested=qty, remaining=item.stock)
+            item.stock = read_stock(item.pk).stock
+            if item.stock < qty:
+                raise SoldOut(sku=item.sku, requested=qty, remaining=item.stock)
         lock = new_lock(redis_key("lock", "item", item.sku))
         if not acquire_lock(lock):
             raise Busy(
@@ -132,7 +140,10 @@ class LockStrategy(StockStrategy):
         finally:
             release_quietly(lock)
         if sold is None:
-            raise SoldOut(sku=item.sku, requested=qty, remaining=read_stock(item.pk).stock)
+            item.stock = read_stock(item.pk).stock
+            raise SoldOut(sku=item.sku, requested=qty, remaining=item.stock)
+        if sold.item_stock is not None:
+            item.stock = sold.item_stock  # what a checkout using this item read next will see
         return sold.order
 
     def _take_unguarded(self, item: Item, qty: int, record: RecordOrder, lock: Lock) -> Sold:

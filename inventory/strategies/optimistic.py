@@ -36,6 +36,8 @@ class OptimisticStrategy(StockStrategy):
     """
 
     name = "optimistic"
+    # It reads the stock itself on every attempt, and its write refuses a restarted sale.
+    item_may_be_remembered = True
 
     def take(self, *, item: Item, qty: int, buyer: str, record: RecordOrder) -> Order:
         attempts = settings.FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS
