@@ -42,16 +42,7 @@ class OptimisticStrategy(StockStrategy):
     def take(self, *, item: Item, qty: int, buyer: str, record: RecordOrder) -> Order:
         attempts = settings.FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS
         for attempt in range(attempts):
-            if item.shard_count:
-                levels = shard_stocks(item.current_sale_id)
-                if sum(levels.values()) < qty:
-                    raise SoldOut(sku=item.sku, requested=qty, remaining=sum(levels.values()))
-                allocation = Allocation(strategy=self.name, shard_units=_split(levels, qty))
-            else:
-                seen = read_stock(item.pk)
-                if seen.stock < qty:
-                    raise SoldOut(sku=item.sku, requested=qty, remaining=seen.stock)
-                allocation = Allocation(strategy=self.name, expected_version=seen.version)
+            allocation = self._plan(item, qty, locked=False)
             simulate_work()
             try:
                 sold = record(allocation)
@@ -67,17 +58,7 @@ class OptimisticStrategy(StockStrategy):
         we wait for it): queue for the row locks instead, so a loser cannot starve."""
         try:
             with transaction.atomic():
-                if item.shard_count:
-                    # Locked in index order, as every writer of several stock rows does.
-                    levels = shard_stocks(item.current_sale_id, for_update=True)
-                    if sum(levels.values()) < qty:
-                        raise SoldOut(sku=item.sku, requested=qty, remaining=sum(levels.values()))
-                    allocation = Allocation(strategy=self.name, shard_units=_split(levels, qty))
-                else:
-                    seen = lock_stock_row(item.pk)
-                    if seen.stock < qty:
-                        raise SoldOut(sku=item.sku, requested=qty, remaining=seen.stock)
-                    allocation = Allocation(strategy=self.name, expected_version=seen.version)
+                allocation = self._plan(item, qty, locked=True)
                 simulate_work()
                 sold: Sold | None = record(allocation)
         except (RowLockTimeout, HalfDone):
@@ -90,6 +71,22 @@ class OptimisticStrategy(StockStrategy):
                 retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
             )
         return sold.order
+
+    def _plan(self, item: Item, qty: int, *, locked: bool) -> Allocation:
+        """What to write for qty units, from the rows read now (`locked`: read FOR UPDATE, the
+        stock rows in index order as every writer of several of them locks them); SoldOut
+        when they hold fewer."""
+        if item.shard_count:
+            levels = shard_stocks(item.current_sale_id, for_update=locked)
+            left = sum(levels.values())
+            if left >= qty:
+                return Allocation(strategy=self.name, shard_units=_split(levels, qty))
+        else:
+            seen = lock_stock_row(item.pk) if locked else read_stock(item.pk)
+            left = seen.stock
+            if left >= qty:
+                return Allocation(strategy=self.name, expected_version=seen.version)
+        raise SoldOut(sku=item.sku, requested=qty, remaining=left)
 
 
 def _split(levels: dict[int, int], qty: int) -> dict[int, int]:
