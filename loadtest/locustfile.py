@@ -4,13 +4,18 @@
         --sku phone --strategy lua -u 50 -r 50 -t 20s
 
 Each simulated user is one buyer with a unique id: it looks at the item now and then and
-checks out as fast as the shop answers. During the warm-up (the first `--warmup-share` of the
-run) a tenth of the users arrive and only look; then the whole crowd arrives and buys.
+checks out as fast as the shop answers. During the warm-up a tenth of the users arrive and only
+look; the whole crowd gathers a moment before the sale opens and buys from the opening on. The
+opening is `--opens-at` (Unix time) when given, else the end of the first `--warmup-share` of
+the run. `--until-sold-out` ends the run once buyers are told `sold_out` and no unit has sold
+for a second (at the latest when -t ends).
+
 `201`, `409 sold_out`, `409 limit_reached` and `409 not_started` are correct answers in a
-flash sale and count as successes; `5xx`, timeouts and anything else count as failures. Two
-extra series go into Locust's stats: `UNITS sold` (one entry per unit accepted, so its history
-is units sold over time) and `LOCK wait` (the server's lock wait from its Server-Timing header,
-where the strategy has a lock).
+flash sale and count as successes; `5xx`, timeouts and anything else count as failures. The
+`sold_out` answers are counted apart, as `checkout sold out`, so that `checkout`'s latencies
+are those of a sale that is still selling. Two extra series go into Locust's stats: `UNITS sold`
+(one entry per unit accepted, so its history is units sold over time) and `LOCK wait` (the
+server's lock wait from its Server-Timing header, where the strategy has a lock).
 
 At the end, on the master or the only process, the run is audited over HTTP
 (`GET /api/items/<sku>/audit`): if the sale sold more than it had, the process exits with
@@ -29,13 +34,20 @@ import urllib.request
 import uuid
 
 from locust import FastHttpUser, LoadTestShape, constant, events, task
-from locust.runners import WorkerRunner
+from locust.runners import WORKER_REPORT_INTERVAL, MasterRunner, WorkerRunner
 
 logger = logging.getLogger("flashsale.locust")
 
 #: Exit code of a run whose audit found oversell.
 OVERSOLD_EXIT_CODE = 3
 CORRECT_CONFLICTS = {"sold_out", "limit_reached", "not_started"}
+#: Stats name of the checkouts answered `409 sold_out`.
+SOLD_OUT_NAME = "checkout sold out"
+#: With --until-sold-out, the run ends once no unit has sold for this long after a sold_out.
+SOLD_OUT_QUIET_SECONDS = 1.0
+#: The crowd is spawned this long before the opening (a shape ticks once a second), so that it
+#: is all there when the sale opens.
+CROWD_LEAD_SECONDS = 1.0
 _LOCK_TIMING = re.compile(r"lock;dur=([0-9.]+)")
 
 
@@ -57,12 +69,31 @@ def _add_options(parser) -> None:
         "--warmup-share",
         type=float,
         default=0.1,
-        help="share of the run with a tenth of the users, before the crowd arrives",
+        help="share of the run with a tenth of the users, before the crowd arrives "
+        "(unless --opens-at says when)",
+    )
+    group.add_argument(
+        "--opens-at",
+        type=float,
+        default=0.0,
+        help="Unix time the sale opens: the crowd buys from then on, a tenth of it looks before",
+    )
+    group.add_argument(
+        "--until-sold-out",
+        action="store_true",
+        help="end the run once buyers are told sold out and nothing more sells (-t still caps)",
     )
 
 
-#: When the crowd arrives (monotonic clock of this process); until then buyers only look.
+#: When the crowd buys (monotonic clock of this process); until then buyers only look.
 _crowd_at = 0.0
+
+
+def _seconds_to_opening(options, elapsed: float) -> float:
+    """Seconds from now until the crowd buys (negative once it does); elapsed: of this run."""
+    if options.opens_at:
+        return options.opens_at - time.time()
+    return (options.run_time or 0) * options.warmup_share - elapsed
 
 
 @events.test_start.add_listener
@@ -72,7 +103,7 @@ def _check_options(environment, **_kwargs) -> None:
     if options is not None and not options.sku:
         raise SystemExit("flashsale locustfile: --sku is required")
     if options is not None:
-        _crowd_at = time.monotonic() + (options.run_time or 0) * options.warmup_share
+        _crowd_at = time.monotonic() + max(_seconds_to_opening(options, 0.0), 0.0)
 
 
 class Buyer(FastHttpUser):
@@ -111,10 +142,13 @@ class Buyer(FastHttpUser):
 
     def _judge(self, response) -> None:
         status = response.status_code
+        error = _error_code(response) if status == 409 else None
         if status == 201:
             for _ in range(self.qty):
                 self._record("UNITS", "sold", 0)
-        elif status == 409 and _error_code(response) in CORRECT_CONFLICTS:
+        elif error in CORRECT_CONFLICTS:
+            if error == "sold_out":
+                response.request_meta["name"] = SOLD_OUT_NAME
             response.success()
         else:
             response.failure(f"{status} {_error_code(response) or ''}".strip())
@@ -142,10 +176,16 @@ def _error_code(response) -> str | None:
 
 
 class FlashCrowd(LoadTestShape):
-    """A trickle of early visitors, then the whole crowd at once, held until the run time ends.
+    """A trickle of early visitors, then the whole crowd at once, held until the run time ends
+    (or, with --until-sold-out, until the sale is over).
 
     Uses -u (users), -r (spawn rate) and -t (run time) from the command line.
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._units_seen = 0
+        self._units_changed_at = time.monotonic()
 
     def tick(self):
         options = self.runner.environment.parsed_options
@@ -153,10 +193,30 @@ class FlashCrowd(LoadTestShape):
         elapsed = self.get_run_time()
         if elapsed >= run_time:
             return None
+        if options.until_sold_out and self._sale_over():
+            logger.info("sold out, and nothing sells any more: ending the run")
+            return None
         users = options.num_users or 1
-        if elapsed < run_time * options.warmup_share:
+        if _seconds_to_opening(options, elapsed) > CROWD_LEAD_SECONDS:
             return max(1, users // 10), options.spawn_rate
         return users, options.spawn_rate
+
+    def _sale_over(self) -> bool:
+        """Buyers were told sold out, and no unit has sold since for a quiet spell: the
+        SOLD_OUT_QUIET_SECONDS, or on a master longer than the workers take to report, since
+        its stats are their last reports."""
+        entries = self.runner.stats.entries
+        sold = entries.get(("sold", "UNITS"))
+        units = sold.num_requests if sold is not None else 0
+        now = time.monotonic()
+        if units != self._units_seen:
+            self._units_seen, self._units_changed_at = units, now
+        refused = entries.get((SOLD_OUT_NAME, "POST"))
+        told_sold_out = refused is not None and refused.num_requests > 0
+        quiet = SOLD_OUT_QUIET_SECONDS
+        if isinstance(self.runner, MasterRunner):
+            quiet += WORKER_REPORT_INTERVAL
+        return told_sold_out and now - self._units_changed_at >= quiet
 
 
 @events.test_stop.add_listener

@@ -1,7 +1,11 @@
 """The comparison of a batch of load runs: a table for the terminal, CSV, JSON and HTML.
 
+The headline is units/s over each sale's measured window (see loadtest.runs); the table says
+beside it how long the window really lasted, and a note under it says so again for a window
+cut short by the stock running out: a short window is shown, never hidden.
+
 The HTML report is one self-contained file: its charts are inline SVG drawn here, so it opens
-offline and from a CI artifact store alike.
+offline and from a CI artifact store alike. The admin's compare page draws the same charts.
 """
 
 from __future__ import annotations
@@ -11,28 +15,34 @@ import html
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from inventory.models import SaleRun
 
+#: The run that floods a no-op endpoint: the HTTP ceiling the strategies are compared with.
+BASELINE = "baseline"
 COLUMNS = [
     ("strategy", "strategy"),
-    ("requests_per_second", "req/s"),
-    ("ratio_to_baseline", "x HTTP"),
     ("goodput", "units/s"),
-    ("p50_ms", "p50 ms"),
-    ("p95_ms", "p95 ms"),
+    ("window_seconds", "window s"),
     ("p99_ms", "p99 ms"),
-    ("failures", "failed"),
+    ("sold_out_after_seconds", "sold out s"),
+    ("initial_stock", "stock"),
     ("accepted_units", "accepted"),
     ("oversold", "oversold"),
+    ("lost_updates", "lost updates"),
     ("remaining", "remaining"),
-    ("sold_out_after_seconds", "sold out s"),
+    ("requests_per_second", "req/s"),
+    ("ratio_to_baseline", "x HTTP"),
+    ("failures", "failed"),
     ("fallback_activations", "fallback"),
     ("lock_wait_p99_ms", "lock p99 ms"),
 ]
+#: Figures a run keeps in its audit JSON rather than in a field of its own.
+AUDIT_FIGURES = {"lost_updates"}
 #: One color per contender, the same in every chart.
 COLORS = {
-    "baseline": "#555555",
+    BASELINE: "#555555",
     "lock": "#0a58ca",
     "segmented": "#198754",
     "lua": "#9a6700",
@@ -41,19 +51,77 @@ COLORS = {
 }
 
 
+#: What the columns mean, for the HTML report and the admin page (HTML).
+LEGEND = (
+    "<em>units/s</em>: units accepted per second over the measured window, which starts once "
+    "the crowd is in and lasts <em>window s</em> (<em>short</em>: the stock ran out first); "
+    "<em>p99 ms</em>: checkout latency while the sale sold; <em>sold out s</em>: from the "
+    "opening to the last unit; <em>oversold</em>: accepted beyond the stock; <em>lost "
+    "updates</em>: units accepted beyond what the stock went down by; <em>remaining</em>: "
+    "stock not sold; <em>x HTTP</em>: requests/s as a share of the baseline measured in the "
+    "same batch against a no-op endpoint."
+)
+
+
 def color(name: str) -> str:
     return COLORS.get(name, "#0f7c8c")
 
 
+def window_of(run: SaleRun) -> dict[str, Any]:
+    """The run's measured window (see loadtest.runs.measure_window); empty for a baseline."""
+    return run.audit.get("window") or {}
+
+
+def figure(run: SaleRun, key: str) -> Any:
+    """The value behind a column: a field, a property, or a figure of the run's audit."""
+    if key == "strategy":
+        return run.strategy
+    if key in AUDIT_FIGURES:
+        return run.audit.get(key)
+    if key == "window_seconds":
+        return window_of(run).get("seconds")
+    return getattr(run, key)
+
+
 def cell(run: SaleRun, key: str) -> str:
-    value = run.strategy if key == "strategy" else getattr(run, key)
+    value = figure(run, key)
     if value is None:
         return "-"
     if key == "ratio_to_baseline":
         return f"{value:.2f}"
+    if key == "window_seconds":
+        return f"{value:.1f}" + ("" if window_of(run).get("held") else " short")
     if isinstance(value, float):
         return f"{value:.1f}" if value < 100 else f"{value:.0f}"
     return str(value)
+
+
+def notes(runs: Sequence[SaleRun]) -> list[str]:
+    """One line per run whose figures need a word: a window cut short, a sale not sold out,
+    stock stranded, a run that failed."""
+    lines = []
+    for run in runs:
+        window = window_of(run)
+        if run.status == SaleRun.Status.FAILED:
+            lines.append(f"{run.strategy}: the run failed: {run.error}")
+            continue
+        if window and not window.get("held"):
+            ended = {"sold out": "the stock ran out", "cap": "the sale was cut off"}
+            lines.append(
+                f"{run.strategy}: its window lasted {window['seconds']:.1f} s, not "
+                f"{window['target_seconds']:g} s ({ended.get(window.get('ended_by'), 'it ended')}"
+                "): its units/s covers only that"
+            )
+        if run.strategy != BASELINE and not run.audit.get("sold_out", True):
+            lines.append(
+                f"{run.strategy}: {run.audit.get('db_stock')} units were left "
+                + (
+                    "while buyers were told sold out: stranded stock"
+                    if stranded(run)
+                    else "when the run was cut off"
+                )
+            )
+    return lines
 
 
 def table(runs: Sequence[SaleRun]) -> str:
@@ -72,13 +140,49 @@ def table(runs: Sequence[SaleRun]) -> str:
         )
         if number == 0:
             lines.append("-" * len(lines[0]))
+    lines += [f"* {note}" for note in notes(runs)]
     return "\n".join(lines)
+
+
+def stranded(run: SaleRun) -> bool:
+    """Buyers of a sale were told sold out while the database still held units for it."""
+    return bool(run.audit.get("sold_out_answers")) and not run.audit.get("sold_out", True)
+
+
+def summary_line(run: SaleRun) -> str:
+    """One line of a run's figures, for the progress of a batch."""
+    parts = [f"{run.requests_per_second or 0:.0f} req/s", f"p99 {run.p99_ms or 0:.0f} ms"]
+    if run.strategy != BASELINE:
+        window = window_of(run)
+        parts = [
+            f"{run.goodput or 0:.0f} units/s over {window.get('seconds', 0):.1f} s"
+            + ("" if window.get("held") else f" (short of {window.get('target_seconds')} s)"),
+            *parts,
+            f"accepted {run.accepted_units} of {run.initial_stock}",
+            f"oversold {run.oversold}",
+            f"lost updates {run.audit.get('lost_updates')}",
+            f"remaining {run.remaining}",
+        ]
+    if run.failures:
+        parts.append(f"{run.failures} failed requests")
+    return ", ".join(parts)
+
+
+def run_as_dict(run: SaleRun) -> dict:
+    """A SaleRun as plain data, for the JSON report and the admin."""
+    data = {}
+    for model_field in run._meta.concrete_fields:
+        value = getattr(run, model_field.attname)
+        data[model_field.name] = value.isoformat() if hasattr(value, "isoformat") else value
+    data["ratio_to_baseline"] = run.ratio_to_baseline
+    data["window_seconds"] = figure(run, "window_seconds")
+    data["window_held"] = window_of(run).get("held")
+    data["lost_updates"] = figure(run, "lost_updates")
+    return data
 
 
 def write_report(runs: Sequence[SaleRun], out: Path) -> dict[str, Path]:
     """Write runs.csv, runs.json and report.html into out; return their paths."""
-    from .runs import run_as_dict
-
     out.mkdir(parents=True, exist_ok=True)
     files = {"csv": out / "runs.csv", "json": out / "runs.json", "html": out / "report.html"}
     records = [run_as_dict(run) for run in runs]
@@ -98,33 +202,42 @@ def write_report(runs: Sequence[SaleRun], out: Path) -> dict[str, Path]:
     return files
 
 
+def charts(labelled: Sequence[tuple[str, SaleRun]]) -> list[str]:
+    """The charts of runs, each shown under its label; the headline first."""
+    sales = [(label, run) for label, run in labelled if run.strategy != BASELINE]
+    baselines = [run.requests_per_second for _, run in labelled if run.strategy == BASELINE]
+    reference = ("HTTP ceiling", baselines[0]) if len(baselines) == 1 else None
+    return [
+        bar_chart("Units/s over the window", [(label, run.goodput or 0) for label, run in sales]),
+        bar_chart(
+            "Throughput (requests/s)",
+            [(label, run.requests_per_second or 0) for label, run in labelled],
+            reference=reference,
+        ),
+        bar_chart("Checkout p99 (ms)", [(label, run.p99_ms or 0) for label, run in labelled]),
+        bar_chart("Oversold units", [(label, run.oversold or 0) for label, run in sales]),
+        line_chart(
+            "Units sold over time (s)",
+            [(label, [(s["t"], s["units_sold"]) for s in run.history]) for label, run in sales],
+        ),
+    ]
+
+
 def render_html(runs: Sequence[SaleRun]) -> str:
-    strategies = [run for run in runs if run.strategy != "baseline"]
-    baseline = next((run for run in runs if run.strategy == "baseline"), None)
     first = runs[0]
     title = f"flashsale load runs {first.batch}"
-    parameters = ", ".join(f"{key} {value}" for key, value in first.parameters.items())
+    parameters = ", ".join(
+        f"{key} {', '.join(value) if isinstance(value, list) else value}"
+        for key, value in first.parameters.items()
+        if key != "probe" and value is not None
+    )
     head = "".join(f"<th scope='col'>{html.escape(label)}</th>" for _, label in COLUMNS)
     body = "".join(
         "<tr>" + "".join(f"<td>{html.escape(cell(run, key))}</td>" for key, _ in COLUMNS) + "</tr>"
         for run in runs
     )
-    charts = [
-        bar_chart(
-            "Throughput (requests/s)",
-            [(run.strategy, run.requests_per_second or 0) for run in runs],
-            reference=("HTTP ceiling", baseline.requests_per_second) if baseline else None,
-        ),
-        bar_chart("Checkout p99 (ms)", [(run.strategy, run.p99_ms or 0) for run in runs]),
-        bar_chart("Oversold units", [(run.strategy, run.oversold or 0) for run in strategies]),
-        line_chart(
-            "Units sold over time (s)",
-            [
-                (run.strategy, [(p["t"], p["units_sold"]) for p in run.history])
-                for run in strategies
-            ],
-        ),
-    ]
+    remarks = "".join(f"<li>{html.escape(note)}</li>" for note in notes(runs))
+    figures = charts([(run.strategy, run) for run in runs])
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>
@@ -136,11 +249,11 @@ th:first-child, td:first-child {{ text-align: left; }}
 figure {{ margin: 0; }} figcaption {{ font-weight: 600; margin-bottom: .3rem; }}
 </style></head><body>
 <h1>{html.escape(title)}</h1>
-<p>{html.escape(parameters)}. <em>x HTTP</em>: requests/s as a share of the baseline measured
-in the same batch against a no-op endpoint; <em>units/s</em>: units accepted per second until
-sold out; <em>oversold</em>: accepted beyond the initial stock.</p>
+<p>{html.escape(parameters)}.</p>
+<p>{LEGEND}</p>
 <table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>
-<div class="charts">{"".join(charts)}</div>
+<ul>{remarks}</ul>
+<div class="charts">{"".join(figures)}</div>
 </body></html>
 """
 

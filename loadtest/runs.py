@@ -4,11 +4,31 @@ A batch measures, in one go and under the same settings: a baseline (the same Lo
 against /api/noop, the server's HTTP ceiling), then each strategy in turn. Every figure of a
 strategy is stated next to the baseline measured alongside it, because this kind of machine
 is noisy and only side-by-side figures mean something.
+
+A strategy's run measures selling, then sells out:
+
+1. the probe (unless the stock is fixed): a sale of more units than it can sell, flooded by
+   the whole crowd for a few seconds; the rate at which its stock went down, once the crowd was
+   in, sizes the real sale's stock to last the window and some headroom;
+2. the sale: a trickle of early visitors, the opening, the crowd. Its **window** starts once the
+   crowd is in (the first order, plus the time the crowd takes to spawn and settle) and lasts
+   `window` seconds, or less if the stock ran out first, which the run records (`held`);
+   units/s is the units accepted in it per second;
+3. the drain: the crowd buys what is left until the shop answers sold out (or the cap), and the
+   audit must find nothing left and nothing oversold. The order worker runs throughout, as in
+   production: it pays and confirms orders while the next runs sell; the audit counts pending
+   orders as accepted (payments do not fail here), so it need not wait for the worker.
+
+Where the figures live, beside SaleRun's own fields: `goodput` is the window's units/s;
+`audit` holds the sale's audit plus `window`, `lost_updates` (units accepted beyond what the
+stock went down by) and `sold_out_answers`; `parameters` holds the settings, the sale's stock
+and, when it was sized, the `probe` that sized it.
 """
 
 from __future__ import annotations
 
 import csv
+import math
 import os
 import subprocess
 import sys
@@ -17,38 +37,62 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from django.conf import settings
-from django.db.models import Max
+from django.db.models import Sum
 from django.utils import timezone
 
 from inventory.exceptions import InvalidRequest
-from inventory.models import Order, SaleRun
+from inventory.models import LIVE_STATUSES, Item, Order, SaleRun
 from inventory.orders import OPEN_STATUSES
 from inventory.selectors import audit_sale
 from inventory.services import start_sale
 from inventory.strategies import strategy_names
 
+from .report import BASELINE, summary_line, write_report
 from .server import PROJECT_DIR, CeleryWorker, ShopServer
 
 LOCUSTFILE = PROJECT_DIR / "loadtest" / "locustfile.py"
-BASELINE = "baseline"
+#: The strategy whose oversell is the point; every other one must never oversell.
+UNSAFE = "unsafe"
 #: Locust exit code for a run whose audit found oversell (see the locustfile).
 OVERSOLD_EXIT_CODE = 3
 HTTP_TYPES = {"GET", "POST"}
+#: Stats name of the checkouts answered sold out (see the locustfile).
+SOLD_OUT_NAME = "checkout sold out"
+#: Units of a probe sale: more than any strategy sells in a probe, so it never sells out.
+PROBE_STOCK = 1_000_000
+#: Beyond its spawning, the crowd's first half second (connections opening, the opening's
+#: burst) is not yet its steady pace.
+CROWD_SETTLE_SECONDS = 0.5
+#: About how long Locust takes to start; a sale opens after this and the warm-up.
+LOCUST_START_SECONDS = 1.5
+#: Without --duration, a sale is cut off after this many times the time a sized stock lasts
+#: at the probe's pace (the crowd's ramp and `headroom` windows): a sale may be this much
+#: slower than its probe and still sell out.
+CAP_FACTOR = 2
 
 Progress = Callable[[str], None]
+
+
+class LoadRunError(Exception):
+    """A run that could not be measured; its message says why and where to look."""
 
 
 @dataclass
 class LoadRunSettings:
     strategies: list[str]
-    stock: int = 300
+    #: Units per sale; None: sized by a probe so that the sale sells through the window.
+    stock: int | None = None
     users: int = 40
     spawn_rate: float = 100.0
-    duration: int = 15
+    #: Seconds each sale must still be selling once the crowd is in: what units/s measures.
+    window: float = 10.0
+    #: At most this many seconds of sale from the opening; None: see CAP_FACTOR.
+    duration: int | None = None
     host: str | None = None
     out: Path | None = None
     workers: int = 1
@@ -56,6 +100,8 @@ class LoadRunSettings:
     server_workers: int = 8
     settle_timeout: float | None = None
     warmup: float | None = None
+    #: A sized stock lasts window x headroom at the probe's pace: room for a faster sale.
+    headroom: float = 1.5
     unsafe_delay_ms: int = 5
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -72,13 +118,19 @@ class LoadRunSettings:
         if len(set(self.strategies)) != len(self.strategies):
             raise InvalidRequest("a strategy is named twice")
         checks = [
-            (1 <= self.stock <= 10**7, "stock: from 1 to 10000000"),
+            (self.stock is None or 1 <= self.stock <= 10**7, "stock: from 1 to 10000000"),
             (1 <= self.users <= 10_000, "users: from 1 to 10000"),
             (0 < self.spawn_rate <= 10_000, "spawn rate: above 0, at most 10000"),
-            (3 <= self.duration <= 3600, "duration: from 3 to 3600 seconds"),
+            (1 <= self.window <= 600, "window: from 1 to 600 seconds"),
+            (
+                self.duration is None or 3 <= self.duration <= 3600,
+                "duration: from 3 to 3600 seconds",
+            ),
             (1 <= self.workers <= 64, "workers: from 1 to 64"),
             (1 <= self.qty <= 100, "qty: from 1 to 100"),
             (1 <= self.server_workers <= 64, "server workers: from 1 to 64"),
+            (self.warmup is None or 0 <= self.warmup <= 60, "warmup: from 0 to 60 seconds"),
+            (1 <= self.headroom <= 10, "headroom: from 1 to 10"),
             (0 <= self.unsafe_delay_ms <= 10_000, "unsafe delay: from 0 to 10000 ms"),
         ]
         for ok, message in checks:
@@ -89,8 +141,48 @@ class LoadRunSettings:
 
     @property
     def warmup_seconds(self) -> float:
-        """The trickle before the crowd; the sale opens when the crowd arrives."""
-        return self.warmup if self.warmup is not None else round(self.duration * 0.1, 1)
+        """The trickle of early visitors before the sale opens and the crowd buys."""
+        return self.warmup if self.warmup is not None else 1.0
+
+    @property
+    def ramp_seconds(self) -> float:
+        """From the crowd's first order until it is all in and at its pace."""
+        return self.users / self.spawn_rate + CROWD_SETTLE_SECONDS
+
+    @property
+    def probe_seconds(self) -> float:
+        """How long a probe measures, once its crowd is in."""
+        return min(3.0, max(1.5, self.window / 2))
+
+    @property
+    def cap_seconds(self) -> int:
+        """The longest a sale lasts from its opening, sold out or not."""
+        if self.duration is not None:
+            return self.duration
+        return math.ceil(CAP_FACTOR * (self.ramp_seconds + self.headroom * self.window))
+
+    @property
+    def baseline_seconds(self) -> float:
+        """How long the baseline floods /api/noop, the crowd's ramp included."""
+        return self.ramp_seconds + min(self.window, 5.0, self.cap_seconds)
+
+    def parameters(self) -> dict[str, Any]:
+        """The settings as a SaleRun records them."""
+        return {
+            "stock": self.stock,
+            "stock_sizing": "fixed" if self.stock is not None else "probe",
+            "users": self.users,
+            "spawn_rate": self.spawn_rate,
+            "window": self.window,
+            "duration": self.cap_seconds,
+            "headroom": self.headroom if self.stock is None else None,
+            "qty": self.qty,
+            "workers": self.workers,
+            "host": self.host or "local gunicorn",
+            "server_workers": None if self.host else self.server_workers,
+            "warmup": self.warmup_seconds,
+            "strategies": self.strategies,
+        }
 
 
 @dataclass
@@ -101,6 +193,11 @@ class Batch:
     files: dict[str, Path]
 
 
+def sale_sku(strategy: str) -> str:
+    """The item a load run of strategy sells (restarted by every run)."""
+    return f"loadtest-{strategy}"
+
+
 def new_batch_id() -> str:
     return f"{timezone.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:4]}"
 
@@ -109,19 +206,22 @@ def run_batch(
     config: LoadRunSettings, *, progress: Progress = print, batch: str | None = None
 ) -> Batch:
     """Run the baseline and every strategy; record, report and return the runs."""
-    from .report import write_report
-
     config.validate()
     batch = batch or new_batch_id()
     out = Path(config.out or settings.FLASHSALE_REPORTS_DIR / batch)
     out.mkdir(parents=True, exist_ok=True)
     runs: list[SaleRun] = []
-    with _target(config, out, progress) as (host, settles):
+    with _target(config, batch, out, progress) as host:
         progress(f"batch {batch}: {host}, reports in {out}")
-        baseline = _run_one(config, batch, BASELINE, host, out, progress, settles=False)
+        if config.cap_seconds < config.ramp_seconds + config.window:
+            progress(
+                f"note: a sale lasts at most {config.cap_seconds:g} s, too short for the "
+                f"crowd's ramp and a {config.window:g} s window: every window will be short"
+            )
+        baseline = _run_one(config, batch, BASELINE, host, out, progress)
         runs.append(baseline)
         for strategy in config.strategies:
-            run = _run_one(config, batch, strategy, host, out, progress, settles=settles)
+            run = _run_one(config, batch, strategy, host, out, progress)
             run.baseline_requests_per_second = baseline.requests_per_second
             run.save(update_fields=["baseline_requests_per_second"])
             runs.append(run)
@@ -130,26 +230,55 @@ def run_batch(
 
 
 @contextmanager
-def _target(config: LoadRunSettings, out: Path, progress: Progress) -> Iterator[tuple[str, bool]]:
-    """The server to flood: `--host`, or a gunicorn and a Celery worker started for the run."""
+def _target(config: LoadRunSettings, batch: str, out: Path, progress: Progress) -> Iterator[str]:
+    """The server to flood: `--host`, or a gunicorn and a Celery worker started for the batch.
+
+    The worker started here consumes a task queue of the batch's own, deleted when the batch
+    ends: orders it has not settled by then stay pending in the database (the outbox a sweeper
+    publishes again), and no later worker inherits thousands of stale tasks.
+    """
     if config.host:
-        yield config.host.rstrip("/"), bool(config.settle_timeout)
+        yield config.host.rstrip("/")
         return
-    env = {"FLASHSALE_UNSAFE_DELAY_MS": str(config.unsafe_delay_ms), **config.extra_env}
+    queue = f"{settings.CELERY_TASK_DEFAULT_QUEUE}-loadtest-{batch}"
+    env = {
+        "FLASHSALE_UNSAFE_DELAY_MS": str(config.unsafe_delay_ms),
+        "FLASHSALE_TASK_QUEUE": queue,
+        **config.extra_env,
+    }
+    server = ShopServer(
+        env=env, workers=config.server_workers, log_path=out / "server.log", preload=True
+    )
+    worker = CeleryWorker(
+        {**env, "FLASHSALE_PAYMENT_LATENCY_MS": "1"}, concurrency=2, log_path=out / "worker.log"
+    )
     with ExitStack() as stack:
-        progress(f"starting gunicorn ({config.server_workers} workers) and a Celery worker")
-        server = ShopServer(
-            env=env, workers=config.server_workers, log_path=out / "server.log"
-        ).start()
-        stack.callback(server.stop)
-        worker = CeleryWorker(
-            {**env, "FLASHSALE_PAYMENT_LATENCY_MS": "1"},
-            concurrency=2,
-            log_path=out / "worker.log",
-        )
+        # Undone in reverse: the server first (no more orders), the worker, then its queue.
+        stack.callback(_delete_queue, queue, config.strategies, timezone.now(), progress)
         stack.callback(worker.stop)
+        stack.callback(server.stop)
+        progress(f"starting gunicorn ({config.server_workers} workers) and a Celery worker")
+        server.start()
         worker.start()
-        yield server.url, True
+        yield server.url
+
+
+def _delete_queue(queue: str, strategies: list[str], since: datetime, progress: Progress) -> None:
+    from kombu import Connection, Exchange, Queue
+
+    skus = [sale_sku(strategy) for strategy in strategies]
+    pending = Order.objects.filter(
+        item__sku__in=skus, status__in=OPEN_STATUSES, created_at__gte=since
+    ).count()
+    if pending:
+        progress(f"{pending} orders of this batch left pending, for a sweeper to publish again")
+    # Bound as Celery binds a default queue (to a direct exchange of its name), so that
+    # deleting it removes its binding as well as its messages.
+    task_queue = Queue(queue, Exchange(queue, type="direct"), routing_key=queue)
+    with Connection(settings.CELERY_BROKER_URL) as connection:
+        bound = task_queue(connection.default_channel)
+        bound.declare()
+        bound.delete()
 
 
 def _run_one(
@@ -159,87 +288,214 @@ def _run_one(
     host: str,
     out: Path,
     progress: Progress,
-    *,
-    settles: bool,
 ) -> SaleRun:
-    sku = "" if strategy == BASELINE else f"loadtest-{strategy}"
-    parameters = {
-        "stock": config.stock,
-        "users": config.users,
-        "spawn_rate": config.spawn_rate,
-        "duration": config.duration,
-        "qty": config.qty,
-        "workers": config.workers,
-        "host": config.host or "local gunicorn",
-        "server_workers": None if config.host else config.server_workers,
-        "warmup": config.warmup_seconds,
-        "strategies": config.strategies,
-    }
-    run = SaleRun.objects.create(batch=batch, strategy=strategy, sku=sku, parameters=parameters)
-    if sku:
-        start_sale(sku=sku, stock=config.stock, strategy=strategy, opens_in=config.warmup_seconds)
-        run.initial_stock = config.stock
-    opened_at = timezone.now() + timedelta(seconds=config.warmup_seconds)
+    sku = "" if strategy == BASELINE else sale_sku(strategy)
+    run = SaleRun.objects.create(
+        batch=batch, strategy=strategy, sku=sku, parameters=config.parameters()
+    )
     prefix = out / strategy
-    exit_code = _locust(config, strategy, sku, host, prefix, progress)
     try:
-        _read_stats(run, prefix, config.qty)
-    except (OSError, KeyError, ValueError) as exc:
+        if sku:
+            exit_code = _sell(run, config, host, prefix, progress)
+        else:
+            exit_code = _locust(config, run, host, prefix, progress, config.baseline_seconds)
+            _read_stats(run, prefix, config.qty, exit_code)
+        # 1: some requests failed, counted above; 3: oversold, which the audit shows.
+        if exit_code not in (0, 1, OVERSOLD_EXIT_CODE):
+            raise LoadRunError(f"Locust exited with {exit_code}; see {prefix}.log")
+    except LoadRunError as error:
         run.status = SaleRun.Status.FAILED
-        log_tail = Path(f"{prefix}.log").read_text(errors="replace").strip().splitlines()[-3:]
-        run.error = (
-            f"Locust exited with {exit_code} and left no readable stats ({exc}); "
-            f"its log ends: {' | '.join(log_tail)}"
-        )
+        run.error = str(error)
         run.finished_at = timezone.now()
         run.save()
         progress(f"  {strategy}: FAILED ({run.error})")
         return run
-    if sku:
-        if settles:
-            _settle(sku, timeout=config.settle_timeout or 60.0)
-        _record_audit(run, sku, opened_at)
     run.status = SaleRun.Status.DONE
-    if exit_code not in (0, 1, OVERSOLD_EXIT_CODE):  # 1: some requests failed, counted above
-        run.status = SaleRun.Status.FAILED
-        run.error = f"Locust exited with {exit_code}; see {prefix}.log"
     run.finished_at = timezone.now()
     run.save()
     progress(f"  {strategy}: {summary_line(run)}")
     return run
 
 
-def _locust(
-    config: LoadRunSettings, strategy: str, sku: str, host: str, prefix: Path, progress: Progress
+def _sell(
+    run: SaleRun,
+    config: LoadRunSettings,
+    host: str,
+    prefix: Path,
+    progress: Progress,
 ) -> int:
+    """Probe (unless the stock is fixed), then sell out one sale of run.sku and audit it;
+    return Locust's exit code for the sale.
+
+    The audit does not wait for the worker unless `settle_timeout` says so: with payments
+    that never fail, pending orders hold their units as firmly as confirmed ones, and the
+    worker goes on with them during the next runs, as it would in production.
+    """
+    stock = config.stock
+    if stock is None:
+        probe = _probe(run, config, host, prefix.with_name(f"{prefix.name}-probe"), progress)
+        stock = probe["stock"]
+        run.parameters = {**run.parameters, "stock": stock, "probe": probe}
+        progress(
+            f"  {run.strategy}: the probe sold {probe['units_per_second']:g} units/s, its stock "
+            f"went down by {probe['stock_per_second']:g}/s: a sale of {stock} units"
+        )
+    run.initial_stock = stock
+    sale = start_sale(
+        sku=run.sku,
+        stock=stock,
+        strategy=run.strategy,
+        opens_in=LOCUST_START_SECONDS + config.warmup_seconds,
+    )
+    until_open = (sale.opens_at - timezone.now()).total_seconds()
+    exit_code = _locust(
+        config,
+        run,
+        host,
+        prefix,
+        progress,
+        until_open + config.cap_seconds,
+        opens_at=sale.opens_at.timestamp(),
+        until_sold_out=True,
+    )
+    _read_stats(run, prefix, config.qty, exit_code)
+    if config.settle_timeout:
+        _settle(run.sku, timeout=config.settle_timeout)
+    _record_audit(run, sale.opens_at, config)
+    return exit_code
+
+
+def _probe(
+    run: SaleRun, config: LoadRunSettings, host: str, prefix: Path, progress: Progress
+) -> dict[str, Any]:
+    """Flood a sale too big to sell out; return its pace and the stock it sizes.
+
+    The pace is that of the stock going down, once the crowd is in: for `unsafe`, whose lost
+    updates leave the stock higher than its orders say, that is slower than its orders come.
+    """
+    # It opens as the sale will, to a crowd already gathered, so that Locust's own start is
+    # not part of what it measures.
+    sale = start_sale(
+        sku=run.sku, stock=PROBE_STOCK, strategy=run.strategy, opens_in=LOCUST_START_SECONDS
+    )
+    until_open = (sale.opens_at - timezone.now()).total_seconds()
+    run_time = until_open + config.ramp_seconds + config.probe_seconds
+    exit_code = _locust(
+        config, run, host, prefix, progress, run_time, opens_at=sale.opens_at.timestamp()
+    )
+    orders = _live_orders(run.sku)
+    if not orders:
+        raise LoadRunError(
+            f"the probe sold nothing (Locust exited with {exit_code}); {_tail(prefix)}"
+        )
+    measured_from = orders[0][0] + timedelta(seconds=config.ramp_seconds)
+    seconds = (orders[-1][0] - measured_from).total_seconds()
+    if seconds < 0.5:
+        raise LoadRunError(
+            f"the probe sold for {seconds + config.ramp_seconds:.1f} s only, too short to "
+            f"measure; see {prefix}.log"
+        )
+    units_per_second = sum(qty for at, qty in orders if at >= measured_from) / seconds
+    audit = audit_sale(run.sku)
+    went_down = audit["initial_stock"] - units_left(audit)
+    stock_per_second = units_per_second * went_down / max(audit["accepted_units"], 1)
+    stock = math.ceil(stock_per_second * (config.ramp_seconds + config.headroom * config.window))
+    return {
+        "seconds": round(seconds, 2),
+        "units_per_second": round(units_per_second, 1),
+        "stock_per_second": round(stock_per_second, 1),
+        "stock": max(stock, 1),
+    }
+
+
+def _current_sale_id(sku: str) -> int:
+    return Item.objects.filter(sku=sku).values_list("current_sale_id", flat=True).get()
+
+
+def _live_orders(sku: str) -> list[tuple[datetime, int]]:
+    """(created_at, qty) of the live orders of sku's current sale, oldest first."""
+    return list(
+        Order.objects.filter(sale_id=_current_sale_id(sku), status__in=LIVE_STATUSES)
+        .order_by("created_at")
+        .values_list("created_at", "qty")
+    )
+
+
+def _locust(
+    config: LoadRunSettings,
+    run: SaleRun,
+    host: str,
+    prefix: Path,
+    progress: Progress,
+    run_time: float,
+    *,
+    opens_at: float | None = None,
+    until_sold_out: bool = False,
+) -> int:
+    """Run Locust for at most run_time seconds; return its exit code.
+
+    opens_at (Unix time): the crowd buys from then on (before, a tenth of it looks); without
+    it the crowd buys at once (the baseline). until_sold_out: the run ends once sold out.
+    """
+    seconds = max(math.ceil(run_time), 1)
     command = [
         sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
         "--host", host, "-u", str(config.users), "-r", str(config.spawn_rate),
-        "-t", f"{config.duration}s", "--stop-timeout", "5",
+        "-t", f"{seconds}s", "--stop-timeout", "5",
         "--csv", str(prefix), "--csv-full-history", "--only-summary",
-        "--strategy", strategy, "--qty", str(config.qty),
-        "--warmup-share", f"{config.warmup_seconds / config.duration:.3f}",
+        "--strategy", run.strategy, "--qty", str(config.qty),
     ]  # fmt: skip
-    command += ["--baseline", "--sku", BASELINE] if strategy == BASELINE else ["--sku", sku]
-    if strategy == "unsafe":
+    command += ["--baseline", "--sku", BASELINE] if run.strategy == BASELINE else ["--sku", run.sku]
+    if opens_at is not None:
+        command += ["--opens-at", f"{opens_at:.3f}"]
+    else:
+        command += ["--warmup-share", "0"]
+    if until_sold_out:
+        command.append("--until-sold-out")
+    if run.strategy == UNSAFE:
         command.append("--allow-oversell")
     if config.workers > 1:
         command += ["--processes", str(config.workers)]
+    label = run.strategy if until_sold_out or run.strategy == BASELINE else f"{run.strategy} probe"
     started = time.monotonic()
     with open(f"{prefix}.log", "wb") as log:
         process = subprocess.Popen(
             command, cwd=PROJECT_DIR, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy()
         )
         try:
-            while process.poll() is None:
-                time.sleep(2)
-                elapsed = time.monotonic() - started
-                progress(f"  {strategy}: {min(elapsed, config.duration):4.0f}/{config.duration} s")
+            while not _exited(process, within=2.0):
+                elapsed = min(time.monotonic() - started, seconds)
+                line = f"  {label}: {elapsed:4.0f} s of {seconds}"
+                if until_sold_out:
+                    line += f" at most, {_units_sold(run.sku)} of {run.initial_stock} units sold"
+                progress(line)
         except BaseException:
             process.terminate()
             process.wait()
             raise
     return process.returncode
+
+
+def _exited(process: subprocess.Popen[bytes], *, within: float) -> bool:
+    try:
+        process.wait(timeout=within)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
+
+
+def _units_sold(sku: str) -> int:
+    live = Order.objects.filter(sale_id=_current_sale_id(sku), status__in=LIVE_STATUSES)
+    return live.aggregate(units=Sum("qty"))["units"] or 0
+
+
+def _tail(prefix: Path, lines: int = 3) -> str:
+    try:
+        text = Path(f"{prefix}.log").read_text(errors="replace")
+    except OSError:
+        return f"{prefix}.log is missing"
+    last = [" ".join(line.split())[:120] for line in text.strip().splitlines()[-lines:]]
+    return f"{prefix}.log ends: " + " | ".join(last)
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
@@ -253,20 +509,32 @@ def _number(value: str | None) -> float | None:
     return float(value)
 
 
-def _read_stats(run: SaleRun, prefix: Path, qty: int) -> None:
-    """Requests, failures, throughput and latency of the HTTP requests; lock waits; history."""
-    stats = _rows(Path(f"{prefix}_stats.csv"))
-    http = [row for row in stats if row["Type"] in HTTP_TYPES]
-    run.requests = sum(int(row["Request Count"]) for row in http)
-    run.failures = sum(int(row["Failure Count"]) for row in http)
-    run.requests_per_second = sum(float(row["Requests/s"]) for row in http)
-    checkout = next(row for row in http if row["Name"] == "checkout")
-    run.p50_ms = _number(checkout["50%"])
-    run.p95_ms = _number(checkout["95%"])
-    run.p99_ms = _number(checkout["99%"])
-    lock_wait = [row for row in stats if row["Type"] == "LOCK"]
-    run.lock_wait_p99_ms = _number(lock_wait[0]["99%"]) if lock_wait else None
-    run.history = _history(Path(f"{prefix}_stats_history.csv"), qty)
+def _read_stats(run: SaleRun, prefix: Path, qty: int, exit_code: int) -> None:
+    """Requests, failures, throughput and latency of the HTTP requests; lock waits; history.
+
+    Checkout latency is that of the checkouts answered while the sale sold (its sold-out
+    answers apart). Raises LoadRunError when Locust left no readable stats.
+    """
+    try:
+        stats = _rows(Path(f"{prefix}_stats.csv"))
+        http = [row for row in stats if row["Type"] in HTTP_TYPES]
+        run.requests = sum(int(row["Request Count"]) for row in http)
+        run.failures = sum(int(row["Failure Count"]) for row in http)
+        run.requests_per_second = sum(float(row["Requests/s"]) for row in http)
+        checkout = next((row for row in http if row["Name"] == "checkout"), {})
+        run.p50_ms = _number(checkout.get("50%"))
+        run.p95_ms = _number(checkout.get("95%"))
+        run.p99_ms = _number(checkout.get("99%"))
+        lock_wait = [row for row in stats if row["Type"] == "LOCK"]
+        run.lock_wait_p99_ms = _number(lock_wait[0]["99%"]) if lock_wait else None
+        if run.sku:
+            sold_out = [row for row in http if row["Name"] == SOLD_OUT_NAME]
+            run.audit = {"sold_out_answers": sum(int(r["Request Count"]) for r in sold_out)}
+        run.history = _history(Path(f"{prefix}_stats_history.csv"), qty)
+    except (OSError, KeyError, ValueError) as exc:
+        raise LoadRunError(
+            f"Locust exited with {exit_code} and left no readable stats ({exc}); {_tail(prefix)}"
+        ) from exc
 
 
 def _history(path: Path, qty: int) -> list[dict[str, float]]:
@@ -304,49 +572,72 @@ def _history(path: Path, qty: int) -> list[dict[str, float]]:
 
 
 def _settle(sku: str, *, timeout: float) -> bool:
-    """Wait until every order of the sale is final (a worker paid or failed it)."""
+    """Wait until every order of sku's current sale is final (a worker paid or failed it)."""
+    open_orders = Order.objects.filter(sale_id=_current_sale_id(sku), status__in=OPEN_STATUSES)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not Order.objects.filter(item__sku=sku, status__in=OPEN_STATUSES).exists():
+        if not open_orders.exists():
             return True
         time.sleep(0.25)
     return False
 
 
-def _record_audit(run: SaleRun, sku: str, opened_at) -> None:
-    audit = audit_sale(sku)
-    run.audit = audit
+def units_left(audit: dict[str, Any]) -> int:
+    """Units the database still holds for sale, per an audit."""
+    if audit.get("db_stock") is not None:
+        return audit["db_stock"]
+    return audit["remaining"]
+
+
+def _record_audit(run: SaleRun, opened_at: datetime, config: LoadRunSettings) -> None:
+    """Audit the sale; record the window, the time it took to sell out and the lost updates."""
+    audit = audit_sale(run.sku)
+    left = units_left(audit)
+    run.audit = {
+        **audit,
+        **run.audit,
+        "lost_updates": audit["accepted_units"] - (audit["initial_stock"] - left),
+        "sold_out": left == 0,
+    }
     run.accepted_units = audit["accepted_units"]
     run.oversold = audit["oversold"]
     run.remaining = audit["remaining"]
     run.fallback_activations = audit["fallback_orders"]
-    last_sale = Order.objects.filter(item__sku=sku).aggregate(last=Max("created_at"))["last"]
-    if audit["remaining"] == 0 and last_sale is not None:
-        run.sold_out_after_seconds = max((last_sale - opened_at).total_seconds(), 0.001)
-        run.goodput = audit["accepted_units"] / run.sold_out_after_seconds
-    else:
-        selling = max(run.parameters["duration"] - run.parameters["warmup"], 1)
-        run.goodput = audit["accepted_units"] / selling
+    orders = _live_orders(run.sku)
+    if left == 0 and orders:
+        run.sold_out_after_seconds = max((orders[-1][0] - opened_at).total_seconds(), 0.001)
+    window = measure_window(orders, config, sold_out=left == 0)
+    run.audit["window"] = window
+    run.goodput = window["units_per_second"]
 
 
-def summary_line(run: SaleRun) -> str:
-    parts = [f"{run.requests_per_second or 0:.0f} req/s", f"p99 {run.p99_ms or 0:.0f} ms"]
-    if run.strategy != BASELINE:
-        parts += [
-            f"accepted {run.accepted_units}",
-            f"oversold {run.oversold}",
-            f"remaining {run.remaining}",
-        ]
-    if run.failures:
-        parts.append(f"{run.failures} failed requests")
-    return ", ".join(parts)
+def measure_window(
+    orders: list[tuple[datetime, int]], config: LoadRunSettings, *, sold_out: bool
+) -> dict[str, Any]:
+    """The measured window of a sale, from its live orders (created_at, qty), oldest first.
 
-
-def run_as_dict(run: SaleRun) -> dict:
-    """A SaleRun as plain data, for the JSON report and the admin."""
-    data = {}
-    for model_field in run._meta.concrete_fields:
-        value = getattr(run, model_field.attname)
-        data[model_field.name] = value.isoformat() if hasattr(value, "isoformat") else value
-    data["ratio_to_baseline"] = run.ratio_to_baseline
-    return data
+    It starts once the crowd is in (the first order plus the crowd's ramp) and ends `window`
+    seconds later, or at the last order if that came sooner: when the stock ran out, or when
+    the sale was cut off. `held` says whether it lasted the whole window. A sale over before
+    its crowd was in is measured from its first order to its last.
+    """
+    target = config.window
+    if not orders:
+        return {"target_seconds": target, "seconds": 0.0, "units": 0,
+                "units_per_second": None, "held": False}  # fmt: skip
+    first, last = orders[0][0], orders[-1][0]
+    start = first + timedelta(seconds=config.ramp_seconds)
+    end = min(start + timedelta(seconds=target), last)
+    if end <= start:  # sold out (or cut off) before the crowd was in
+        start, end = first, last
+    seconds = (end - start).total_seconds()
+    units = sum(qty for at, qty in orders if start <= at < end)
+    return {
+        "target_seconds": target,
+        "seconds": round(seconds, 2),
+        "units": units,
+        "units_per_second": round(units / seconds, 1) if seconds > 0 else None,
+        "held": seconds >= target,
+        "starts_after_first_order": round((start - first).total_seconds(), 2),
+        "ended_by": "window" if seconds >= target else ("sold out" if sold_out else "cap"),
+    }

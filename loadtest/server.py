@@ -32,12 +32,16 @@ class ShopServer:
         workers: int = 8,
         port: int | None = None,
         log_path: Path | None = None,
+        preload: bool = False,
     ) -> None:
+        """preload: import the app once, before the workers fork, so that every worker answers
+        as soon as the first does (a measurement must not start while workers still boot)."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {**os.environ, **(env or {})}
         self.workers = workers
         self.log_path = log_path
+        self.preload = preload
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 30.0) -> ShopServer:
@@ -56,6 +60,7 @@ class ShopServer:
             "5",
             "--log-level",
             "warning",
+            *(["--preload"] if self.preload else []),
         ]
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.process = subprocess.Popen(

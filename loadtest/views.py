@@ -14,7 +14,7 @@ from inventory.exceptions import InvalidRequest
 from inventory.models import SaleRun
 from inventory.strategies import strategy_names
 
-from .report import COLUMNS, bar_chart, cell, line_chart
+from .report import COLUMNS, LEGEND, cell, charts, notes
 from .runs import BASELINE, LoadRunSettings, new_batch_id
 
 RECENT_RUNS = 60
@@ -26,10 +26,24 @@ class StartRunForm(forms.Form):
         initial=strategy_names(),
         widget=forms.CheckboxSelectMultiple,
     )
-    stock = forms.IntegerField(min_value=1, max_value=10**7, initial=300)
+    stock = forms.IntegerField(
+        min_value=1,
+        max_value=10**7,
+        required=False,
+        help_text="Blank: sized by a probe, so that each sale sells through the window.",
+    )
     users = forms.IntegerField(min_value=1, max_value=10_000, initial=40)
     spawn_rate = forms.FloatField(min_value=0.1, max_value=10_000, initial=100)
-    duration = forms.IntegerField(min_value=3, max_value=3600, initial=15, label="Duration (s)")
+    window = forms.FloatField(
+        min_value=1, max_value=600, required=False, initial=10.0, label="Window (s)"
+    )
+    duration = forms.IntegerField(
+        min_value=3,
+        max_value=3600,
+        required=False,
+        label="At most (s)",
+        help_text="Per sale, from its opening; blank: twice what a sized stock lasts.",
+    )
 
 
 class FilterForm(forms.Form):
@@ -72,27 +86,6 @@ def _label(run: SaleRun, runs: list[SaleRun]) -> str:
     return f"{run.strategy} #{run.pk}" if same_strategy else run.strategy
 
 
-def _charts(runs: list[SaleRun]) -> list[str]:
-    labelled = [(_label(run, runs), run) for run in runs]
-    sales = [(label, run) for label, run in labelled if run.strategy != BASELINE]
-    baselines = [run.requests_per_second for run in runs if run.strategy == BASELINE]
-    reference = ("HTTP ceiling", baselines[0]) if len(baselines) == 1 else None
-    return [
-        bar_chart(
-            "Throughput (requests/s)",
-            [(label, run.requests_per_second or 0) for label, run in labelled],
-            reference=reference,
-        ),
-        bar_chart("Goodput (units/s)", [(label, run.goodput or 0) for label, run in sales]),
-        bar_chart("Checkout p99 (ms)", [(label, run.p99_ms or 0) for label, run in labelled]),
-        bar_chart("Oversold units", [(label, run.oversold or 0) for label, run in sales]),
-        line_chart(
-            "Units sold over time (s)",
-            [(label, [(s["t"], s["units_sold"]) for s in run.history]) for label, run in sales],
-        ),
-    ]
-
-
 def compare(request: HttpRequest) -> HttpResponse:
     """GET: compare runs (the latest batch, or the `run` ids chosen). POST: start a batch."""
     if request.method == "POST":
@@ -112,7 +105,9 @@ def compare(request: HttpRequest) -> HttpResponse:
         "title": "Compare strategies",
         "runs": runs,
         "headers": [label for _, label in COLUMNS],
-        "charts": _charts(runs) if runs else [],
+        "charts": charts([(_label(run, runs), run) for run in runs]) if runs else [],
+        "notes": notes(runs),
+        "legend": LEGEND,
         "candidates": candidates[:RECENT_RUNS],
         "chosen": {run.pk for run in runs},
         "filters": filters,
@@ -131,7 +126,8 @@ def _start(request: HttpRequest) -> HttpResponse:
     if not form.is_valid():
         messages.error(request, f"Not started: {form.errors.as_text()}")
         return redirect(reverse("admin-compare"))
-    settings = {**form.cleaned_data}
+    # A blank field leaves the command's default (a probe-sized stock, the default cap).
+    settings = {key: value for key, value in form.cleaned_data.items() if value is not None}
     config = LoadRunSettings(**settings)
     try:
         config.validate()

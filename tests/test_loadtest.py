@@ -57,7 +57,7 @@ def test_a_short_load_run_records_audits_and_reports_every_strategy(tmp_path):
     with open(tmp_path / "runs.csv", newline="") as handle:
         assert len(list(csv.DictReader(handle))) == 6
     page = (tmp_path / "report.html").read_text()
-    assert page.count("<svg") == 4 and "Units sold over time" in page
+    assert page.count("<svg") == 5 and "Units sold over time" in page
 
 
 def _locust(url: str, sku: str, *extra: str) -> subprocess.CompletedProcess:

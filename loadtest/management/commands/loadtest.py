@@ -9,14 +9,18 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from inventory.exceptions import InvalidRequest
 from inventory.strategies import strategy_names
-from loadtest.report import table
-from loadtest.runs import BASELINE, LoadRunSettings, run_batch
+from loadtest.report import BASELINE, stranded, table
+from loadtest.runs import UNSAFE, LoadRunSettings, run_batch
 
 
 class Command(BaseCommand):
     help = (
-        "Flood each strategy in turn with Locust (after a baseline against a no-op endpoint), "
-        "audit it, record a sale run, print the comparison and write CSV, JSON and HTML."
+        "Flood each strategy in turn with Locust (after a baseline against a no-op endpoint): "
+        "a short probe sizes its stock so that the sale still sells through a measured window "
+        "(--window), then the crowd buys the rest until it sells out; audit it, record a sale "
+        "run, print the comparison (units/s over the window first) and write CSV, JSON and "
+        "HTML. With --stock the stock is fixed and there is no probe. Exits non-zero if a "
+        "strategy other than unsafe oversold or left stock stranded, or a run broke."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -25,12 +29,37 @@ class Command(BaseCommand):
             default=",".join(strategy_names()),
             help="comma-separated strategy names (default: all)",
         )
-        parser.add_argument("--stock", type=int, default=300, help="units per sale")
+        parser.add_argument(
+            "--stock",
+            type=int,
+            default=None,
+            help="units per sale, the same for every strategy, no probe (default: each "
+            "strategy's own, sized by a probe to last the window and --headroom)",
+        )
         parser.add_argument("--users", type=int, default=40, help="concurrent Locust users")
         parser.add_argument(
             "--spawn-rate", type=float, default=100.0, help="users started per second"
         )
-        parser.add_argument("--duration", type=int, default=15, help="seconds per run")
+        parser.add_argument(
+            "--window",
+            type=float,
+            default=10.0,
+            help="seconds each sale must still be selling once the crowd is in: what units/s "
+            "measures (default 10)",
+        )
+        parser.add_argument(
+            "--duration",
+            type=int,
+            default=None,
+            help="at most this many seconds of sale per strategy, from its opening; a sale ends "
+            "earlier once sold out (default: twice the crowd's ramp-up and --headroom windows)",
+        )
+        parser.add_argument(
+            "--headroom",
+            type=float,
+            default=1.5,
+            help="a probe-sized stock lasts window x headroom at the probe's pace (default 1.5)",
+        )
         parser.add_argument(
             "--host",
             default=None,
@@ -48,8 +77,8 @@ class Command(BaseCommand):
             "--settle-timeout",
             type=float,
             default=None,
-            help="seconds to wait for orders to be processed (default 60 with a local "
-            "server; 0, no wait, with --host)",
+            help="seconds to wait, after each sale, for the worker to settle its orders before "
+            "the audit (default: no wait; the worker goes on with them during the next runs)",
         )
         parser.add_argument(
             "--unsafe-delay-ms",
@@ -62,7 +91,7 @@ class Command(BaseCommand):
             type=float,
             default=None,
             help="seconds of a trickle of early visitors before the sale opens and the "
-            "crowd arrives (default: a tenth of --duration)",
+            "crowd arrives (default 1)",
         )
 
     def handle(self, *args: object, **options: object) -> None:
@@ -71,7 +100,9 @@ class Command(BaseCommand):
             stock=options["stock"],
             users=options["users"],
             spawn_rate=options["spawn_rate"],
+            window=options["window"],
             duration=options["duration"],
+            headroom=options["headroom"],
             host=options["host"],
             out=options["out"],
             workers=options["workers"],
@@ -100,8 +131,13 @@ class Command(BaseCommand):
             run.strategy
             for run in batch.runs
             if run.status != run.Status.DONE
-            or (run.strategy not in (BASELINE, "unsafe") and (run.oversold or 0) > 0)
+            or (
+                run.strategy not in (BASELINE, UNSAFE)
+                and ((run.oversold or 0) > 0 or stranded(run))
+            )
         ]
         if broken:
-            self.stderr.write(f"FAILED: {', '.join(broken)} (oversold, or the run broke)")
+            self.stderr.write(
+                f"FAILED: {', '.join(broken)} (oversold, stock stranded, or the run broke)"
+            )
             sys.exit(1)

@@ -1,0 +1,126 @@
+"""The demo measures selling, then sells out: a probe sizes each sale so that it still sells
+through its measured window, the crowd then buys the rest, and the audit finds nothing left."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from django.contrib.auth.models import User
+from django.test import Client
+
+from inventory.models import SaleRun
+from loadtest.report import table
+from loadtest.runs import LoadRunSettings, measure_window
+from loadtest.server import PROJECT_DIR as ROOT
+from tests.conftest import server_env
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_sized_sale_sells_through_its_window_then_sells_out(tmp_path):
+    # Given a safe strategy and unsafe, each sale sized by its own probe for a 2 s window (with
+    # room for a machine whose speed moves: a sale up to 3x faster than its probe, or far slower)
+    command = [
+        sys.executable, "manage.py", "loadtest", "--strategies", "lua,unsafe",
+        "--window", "2", "--headroom", "3", "--duration", "60", "--users", "8",
+        "--spawn-rate", "60", "--server-workers", "3", "--unsafe-delay-ms", "20",
+        "--out", str(tmp_path),
+    ]  # fmt: skip
+
+    # When the load run floods them
+    result = subprocess.run(
+        command, cwd=ROOT, env=server_env(), capture_output=True, text=True, timeout=240
+    )
+
+    # Then it succeeds, and the probe sized the safe strategy's sale
+    assert result.returncode == 0, result.stderr[-3000:]
+    batch = re.search(r"^batch (\S+):", result.stderr, re.MULTILINE).group(1)
+    runs = {run.strategy: run for run in SaleRun.objects.filter(batch=batch)}
+    lua = runs["lua"]
+    probe = lua.parameters["probe"]
+    assert lua.parameters["stock_sizing"] == "probe"
+    assert probe["units_per_second"] > 0 and lua.initial_stock == probe["stock"]
+    # and the sale was still selling through the whole window, which units/s measures
+    window = lua.audit["window"]
+    assert window["held"] and window["seconds"] == 2.0, window
+    assert 0 < window["units"] < lua.initial_stock
+    assert lua.goodput == window["units_per_second"] > 0
+    # and then it sold out: every unit accepted, none oversold, none left, no update lost
+    assert lua.sold_out_after_seconds > window["starts_after_first_order"] + window["seconds"]
+    assert lua.accepted_units == lua.initial_stock and lua.oversold == 0 and lua.remaining == 0
+    assert lua.audit["db_stock"] == 0 and lua.audit["lost_updates"] == 0
+    assert lua.audit["consistent"], lua.audit
+    # and unsafe shows its damage: units accepted beyond what its stock went down by
+    unsafe = runs["unsafe"]
+    went_down = unsafe.initial_stock - unsafe.audit["db_stock"]
+    assert unsafe.audit["lost_updates"] == unsafe.accepted_units - went_down > 0
+    # and the comparison leads with units/s over the window, lost updates beside it
+    header = next(line for line in result.stdout.splitlines() if line.startswith("strategy"))
+    assert header.split()[1:3] == ["units/s", "window"] and "lost updates" in header
+
+
+def _orders(start: datetime, seconds: float, per_second: int) -> list[tuple[datetime, int]]:
+    count = int(seconds * per_second)
+    return [(start + timedelta(seconds=index / per_second), 1) for index in range(count)]
+
+
+def test_a_window_the_stock_cut_short_is_measured_and_said_so():
+    # Given a sale whose crowd takes 0.5 s to be in and whose stock ran out 4 s in
+    config = LoadRunSettings(strategies=["lua"], users=10, spawn_rate=1000, window=10)
+    opened = datetime(2026, 1, 1, tzinfo=UTC)
+    orders = _orders(opened, 4.0, 100)
+
+    # When its window is measured
+    window = measure_window(orders, config, sold_out=True)
+
+    # Then it covers what there was, from the crowd being in to the last unit, and says so
+    assert window["held"] is False and window["ended_by"] == "sold out"
+    assert window["starts_after_first_order"] == pytest.approx(0.51)
+    assert window["seconds"] == pytest.approx(3.48, abs=0.02)
+    assert window["units_per_second"] == pytest.approx(100, rel=0.02)
+    # and the comparison shows the short window in its row and in a note under the table
+    run = SaleRun(strategy="lua", status=SaleRun.Status.DONE, goodput=100, initial_stock=400)
+    run.audit = {"window": window, "sold_out": True, "lost_updates": 0}
+    text = table([run])
+    assert "3.5 short" in text
+    assert "lua: its window lasted 3.5 s, not 10 s (the stock ran out)" in text
+
+
+def test_a_window_that_held_ends_after_the_window_and_counts_only_its_units():
+    config = LoadRunSettings(strategies=["lua"], users=10, spawn_rate=1000, window=2)
+    orders = _orders(datetime(2026, 1, 1, tzinfo=UTC), 6.0, 50)
+
+    window = measure_window(orders, config, sold_out=True)
+
+    assert window["held"] is True and window["ended_by"] == "window"
+    assert window["seconds"] == 2.0 and window["units"] == 100
+
+
+@pytest.mark.django_db
+def test_the_compare_page_leads_with_the_window_and_says_when_it_was_short():
+    # Given a batch whose lua sale ran out of stock 3.5 s into its 10 s window
+    window = {"target_seconds": 10, "seconds": 3.5, "units": 350, "units_per_second": 100.0,
+              "held": False, "ended_by": "sold out"}  # fmt: skip
+    common = {"batch": "b-window", "status": SaleRun.Status.DONE,
+              "parameters": {"window": 10, "users": 10, "strategies": ["lua"]}}  # fmt: skip
+    SaleRun.objects.create(strategy="baseline", requests_per_second=900, **common)
+    SaleRun.objects.create(
+        strategy="lua", goodput=100, initial_stock=400, accepted_units=400, oversold=0,
+        remaining=0, audit={"window": window, "sold_out": True, "lost_updates": 0}, **common,
+    )  # fmt: skip
+    User.objects.create_user("boss", password="pw-for-tests-only", is_staff=True)
+    client = Client()
+    client.login(username="boss", password="pw-for-tests-only")
+
+    # When staff compare it
+    page = client.get("/admin/compare/").content.decode()
+
+    # Then units/s over the window leads the table and the charts, and the short window shows
+    headers = re.findall(r'<th scope="col">([^<]*)</th>', page)
+    assert headers[:3] == ["strategy", "units/s", "window s"] and "lost updates" in headers
+    assert "<td>3.5 short</td>" in page
+    assert "its window lasted 3.5 s, not 10 s (the stock ran out)" in page
+    assert page.index("Units/s over the window") < page.index("Throughput (requests/s)")
