@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 from django.conf import settings
-from django.db import DatabaseError, OperationalError, connection
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, OperationalError, connection, connections
 from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 from django.db.models import F
 from django.utils import timezone
@@ -327,14 +327,15 @@ def prepared_cursor() -> Any:
     poolers in transaction mode: with `DJANGO_DB_PREPARED_STATEMENTS=false` the connection has
     no `prepare_threshold` and psycopg ignores `prepare=True`, so the same code runs unprepared.
     """
+    wrapper = connections[DEFAULT_DB_ALIAS]  # once: each `connection.x` is a thread-local lookup
     # What Django's own cursor() does first: a connection the server closed while idle
     # (restart, failover, idle timeout) is replaced before use, not found dead mid-checkout.
-    connection.close_if_health_check_failed()
-    connection.ensure_connection()
-    raw = _PreparingCursor(connection.connection)
-    if connection.queries_logged:
-        return _PreparedDebugWrapper(raw, connection)
-    return connection.make_cursor(raw)
+    wrapper.close_if_health_check_failed()
+    wrapper.ensure_connection()
+    raw = _PreparingCursor(wrapper.connection)
+    if wrapper.queries_logged:
+        return _PreparedDebugWrapper(raw, wrapper)
+    return wrapper.make_cursor(raw)
 
 
 class _PreparedDebugWrapper(CursorDebugWrapper):

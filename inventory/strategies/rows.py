@@ -9,6 +9,8 @@ before the database write).
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from django.conf import settings
 
 from locking import StockCounter
@@ -29,7 +31,16 @@ def row_key(item: Item, index: int) -> str:
 
 
 def row_keys(item: Item) -> list[str]:
-    return [row_key(item, index) for index in range(item.shard_count)]
+    return list(
+        _row_keys(settings.FLASHSALE_REDIS_PREFIX, item.sku, item.current_sale_id, item.shard_count)
+    )
+
+
+@lru_cache(maxsize=1024)
+def _row_keys(prefix: str, sku: str, sale_id: int | None, count: int) -> tuple[str, ...]:
+    # Built once per sale (`prefix` keys the cache: redis_key reads the same setting), since a
+    # checkout names every row's key.
+    return tuple(redis_key("item", sku, "sale", sale_id, "row", index) for index in range(count))
 
 
 def returned_marker(order: Order) -> str:
@@ -38,7 +49,13 @@ def returned_marker(order: Order) -> str:
 
 
 def counter() -> StockCounter:
-    return StockCounter(get_redis_client())
+    return _counter(get_redis_client())
+
+
+@lru_cache(maxsize=16)
+def _counter(client: object) -> StockCounter:
+    # One per client: building one registers its scripts.
+    return StockCounter(client)
 
 
 def group_commit(item: Item) -> GroupCommit:
