@@ -21,6 +21,7 @@ SAFE = [
     "segmented",
     "lua",
     "optimistic",
+    "lua, group commit",
     "lock +5 ms work",
     "segmented +5 ms work",
     *(peer.label for peer in PEERS.values()),
