@@ -32,6 +32,7 @@ class StockCounter:
         self.redis = redis
         self._take = scripts.script_for(redis, scripts.STOCK_TAKE)
         self._take_spread = scripts.script_for(redis, scripts.STOCK_TAKE_SPREAD)
+        self._lock_first = scripts.script_for(redis, scripts.LOCK_FIRST_HOLDING)
         self._give_back = scripts.script_for(redis, scripts.STOCK_GIVE_BACK)
         self._give_back_once = scripts.script_for(redis, scripts.STOCK_GIVE_BACK_ONCE)
 
@@ -62,6 +63,33 @@ class StockCounter:
         if reply[0] == self.INSUFFICIENT:
             return {}
         return {int(reply[i]): int(reply[i + 1]) for i in range(0, len(reply), 2)}
+
+    def lock_first_holding(
+        self,
+        counters: Sequence[str],
+        locks: Sequence[str],
+        qty: int,
+        *,
+        start: int,
+        token: str,
+        ttl_ms: int,
+    ) -> tuple[int | None, list[int]]:
+        """Lock, in one script, the first row (from ``start``, in turn) whose counter holds
+        ``qty`` and whose lock is free (``SET NX PX``; hold it with ``Lock.adopt(token)``).
+
+        Returns (that row's position, or -1 when every row holding qty is locked or none does;
+        the counters' levels), or (None, []) when a counter does not exist (nothing locked).
+        """
+        if len(counters) != len(locks) or not counters:
+            raise ValueError("one lock per counter, and at least one of each")
+        reply = self._lock_first(
+            keys=[*counters, *locks],
+            args=[_positive_qty(qty), start, token, ttl_ms],
+            client=self.redis,
+        )
+        if reply[0] == self.MISSING:
+            return None, []
+        return int(reply[0]), [int(level) for level in reply[1:]]
 
     def give_back_many(self, amounts: Mapping[str, int]) -> None:
         """Increment each counter by its amount (one round trip); missing counters stay

@@ -275,6 +275,15 @@ class Lock:
                 self._took(token_bytes)
                 return True
 
+    def adopt(self, token: str | bytes) -> None:
+        """Hold the lock as if ``acquire`` had just taken it with ``token``.
+
+        For a caller whose own script took the lock (``SET name token NX PX`` with this
+        lock's TTL) in the same step as something else, e.g. choosing which of several locks
+        to take. The watchdog, ``release`` and ``owned`` then work as after ``acquire``.
+        """
+        self._took(self.redis.get_encoder().encode(token))
+
     def _attempt(self, token: bytes) -> tuple[bool, int]:
         """One ``SET NX PX``; return (acquired, PTTL of the lock when not acquired)."""
         try:

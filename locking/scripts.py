@@ -333,6 +333,41 @@ return removed
 """
 )
 
+# KEYS[1..n] the stock counters (hints) of n rows, KEYS[n+1..2n] the locks of those rows
+# ARGV[1] quantity, ARGV[2] the row to try first (0-based), ARGV[3] owner token,
+# ARGV[4] lock TTL in ms
+# Returns {-2} when a counter does not exist (nothing locked). Otherwise
+# {row, level of row 0, ..., level of row n-1}: row is the first at or after ARGV[2], in turn,
+# whose counter holds the quantity and whose lock was free, now locked with the token
+# (SET NX PX, as a non-blocking acquire of locking.Lock does: a lock with waiters queued is
+# never free, a release hands it over), or -1 when every such row is locked (or none holds the
+# quantity). Choosing the row and locking it in one script saves a round trip per sale.
+LOCK_FIRST_HOLDING = """
+local n = #KEYS / 2
+local levels = redis.call('mget', unpack(KEYS, 1, n))
+for i = 1, n do
+    if not levels[i] then
+        return {-2}
+    end
+    levels[i] = tonumber(levels[i])
+end
+local qty = tonumber(ARGV[1])
+local start = tonumber(ARGV[2])
+local picked = -1
+for step = 0, n - 1 do
+    local i = (start + step) % n + 1
+    if levels[i] >= qty and redis.call('set', KEYS[n + i], ARGV[3], 'NX', 'PX', ARGV[4]) then
+        picked = i - 1
+        break
+    end
+end
+local reply = {picked}
+for i = 1, n do
+    reply[#reply + 1] = levels[i]
+end
+return reply
+"""
+
 # KEYS[1] stock counter
 # ARGV[1] quantity (positive integer)
 # Returns -2 when the counter does not exist (it stays missing: INCRBY would create it

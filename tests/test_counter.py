@@ -151,3 +151,49 @@ def test_give_back_once_applies_a_marker_exactly_once():
         assert 0 < client.ttl(f"{prefix}:done") <= 7 * 24 * 3600
     finally:
         delete_prefix(client, prefix)
+
+
+def test_take_spread_takes_from_one_counter_in_turn_or_from_several(
+    r: redis.Redis, prefix: str
+) -> None:
+    counter = StockCounter(r)
+    keys = [f"{prefix}row:{index}" for index in range(3)]
+    cursor = prefix + "turn"
+    assert counter.take_spread(cursor, keys, 1) is None  # missing counters: nothing taken
+    counter.set_many(dict(zip(keys, [2, 2, 1], strict=True)))
+
+    # one unit at a time lands on the rows in turn
+    taken = [counter.take_spread(cursor, keys, 1) for _ in range(3)]
+    assert sorted(next(iter(plan)) for plan in taken) == [0, 1, 2]
+    # no single row holds 2 now (1, 1, 0): the units come from several, lowest first
+    assert counter.take_spread(cursor, keys, 2) == {0: 1, 1: 1}
+    assert counter.take_spread(cursor, keys, 1) == {}  # sold out: nothing taken
+    assert counter.get_many(keys) == [0, 0, 0]
+
+
+def test_lock_first_holding_locks_a_free_row_that_holds_the_quantity(
+    r: redis.Redis, prefix: str
+) -> None:
+    from locking import Lock
+
+    counter = StockCounter(r)
+    keys = [f"{prefix}row:{index}" for index in range(3)]
+    locks = [f"{prefix}lock:{index}" for index in range(3)]
+    take = {"start": 0, "ttl_ms": 5000}
+    assert counter.lock_first_holding(keys, locks, 1, token="t0", **take) == (None, [])
+    assert all(r.get(lock) is None for lock in locks)  # missing counters: nothing locked
+    counter.set_many(dict(zip(keys, [0, 5, 5], strict=True)))
+
+    # the first row from `start` that holds the quantity and is free, locked with the token
+    assert counter.lock_first_holding(keys, locks, 1, token="t1", **take) == (1, [0, 5, 5])
+    assert counter.lock_first_holding(keys, locks, 1, token="t2", **take) == (2, [0, 5, 5])
+    assert counter.lock_first_holding(keys, locks, 1, token="t3", **take)[0] == -1  # all busy
+    assert (r.get(locks[1]), r.get(locks[2]), r.get(locks[0])) == (b"t1", b"t2", None)
+
+    # and the Lock adopts what the script took: owned, then released
+    lock = Lock(r, locks[1], timeout=5)
+    lock.adopt("t1")
+    assert lock.owned()
+    lock.release()
+    assert r.get(locks[1]) is None
+    assert counter.lock_first_holding(keys, locks, 1, token="t4", **take)[0] == 1

@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from contextvars import ContextVar
 
 from django.conf import settings
@@ -68,6 +69,12 @@ def acquire_lock(lock: Lock, **options: object) -> bool:
         raise
     finally:
         lock_wait_seconds.set(lock_wait_seconds.get() + time.perf_counter() - started)
+
+
+def remember_unsettled(locks: Iterable[tuple[str, bytes]]) -> None:
+    """Locks (name, token) a Redis failure left in doubt: released on recovery if ours."""
+    with _unsettled_lock:
+        _unsettled.update(locks)
 
 
 def release_quietly(lock: Lock) -> None:

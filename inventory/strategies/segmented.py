@@ -24,6 +24,8 @@ from __future__ import annotations
 import logging
 import random
 import time
+import uuid
+from functools import lru_cache
 
 from django.conf import settings
 
@@ -36,13 +38,29 @@ from ..redis_client import REDIS_DOWN_ERRORS, redis_key
 from ..stock import HalfDone, ensure_current, shard_stocks, simulate_work
 from . import rows
 from .base import Allocation, RecordOrder, StockStrategy
-from .lock import acquire_lock, ensure_still_held, new_lock, release_quietly
+from .lock import (
+    acquire_lock,
+    ensure_still_held,
+    new_lock,
+    release_quietly,
+    remember_unsettled,
+)
 
 logger = logging.getLogger(__name__)
 
 
 def shard_lock(item: Item, index: int) -> Lock:
-    return new_lock(redis_key("lock", "item", item.sku, "shard", index))
+    return new_lock(shard_lock_names(item)[index])
+
+
+def shard_lock_names(item: Item) -> list[str]:
+    return list(_shard_lock_names(settings.FLASHSALE_REDIS_PREFIX, item.sku, item.shard_count))
+
+
+@lru_cache(maxsize=1024)
+def _shard_lock_names(prefix: str, sku: str, count: int) -> tuple[str, ...]:
+    # (`prefix` keys the cache: redis_key reads the same setting.)
+    return tuple(redis_key("lock", "item", sku, "shard", index) for index in range(count))
 
 
 class SegmentedStrategy(StockStrategy):
@@ -57,17 +75,26 @@ class SegmentedStrategy(StockStrategy):
     def take(self, *, item: Item, qty: int, buyer: str, record: RecordOrder) -> Order:
         if not item.shard_count:
             raise RuntimeError(f"{item.sku} has no stock shards: restart its sale")
-        hints = rows.counter().get_many(rows.row_keys(item))
-        if None in hints:
-            # Redis lost them, or a restart dropped this sale's: only rebuild a current sale's.
+        start = random.randrange(item.shard_count)
+        picked, hints, token = self._lock_first_holding(item, qty, start)
+        if picked is None:
+            # Redis lost the hints, or a restart dropped this sale's: only rebuild a current
+            # sale's.
             ensure_current(item)
-            hints = rows.sync_rows(item)
+            hints, picked = rows.sync_rows(item), -1
         if sum(hints) < qty:
             raise SoldOut(sku=item.sku, requested=qty, remaining=sum(hints))
 
         deadline = time.monotonic() + settings.FLASHSALE_LOCK_WAIT_MS / 1000
-        start = random.randrange(item.shard_count)
         ring = [(start + step) % item.shard_count for step in range(item.shard_count)]
+        if picked >= 0:
+            # The common case: one script chose a free shard holding qty and locked it.
+            lock = shard_lock(item, picked)
+            lock.adopt(token)
+            order = self._serve_locked(item, qty, record, {picked: qty}, [lock])
+            if order is not None:
+                return order
+            ring.remove(picked)  # it was short: its hint is corrected, try the others
 
         busy: list[int] = []
         for index in ring:
@@ -96,6 +123,30 @@ class SegmentedStrategy(StockStrategy):
                 retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
             )
         return self._serve_from_all(item, qty, record, deadline)
+
+    def _lock_first_holding(
+        self, item: Item, qty: int, start: int
+    ) -> tuple[int | None, list[int], str]:
+        """Choose a shard whose hint holds qty and whose lock is free, and lock it, in one
+        script: (its index, or -1 if none; every shard's hint; the lock's owner token), or
+        (None, [], token) when the hints are missing."""
+        token = uuid.uuid4().hex
+        names = shard_lock_names(item)
+        try:
+            picked, hints = rows.counter().lock_first_holding(
+                rows.row_keys(item),
+                names,
+                qty,
+                start=start,
+                token=token,
+                ttl_ms=settings.FLASHSALE_LOCK_TTL_MS,
+            )
+        except REDIS_DOWN_ERRORS:
+            # The script may have locked a shard before the reply was lost: release it (if it
+            # is ours) once Redis is back, as for a lock whose SET timed out.
+            remember_unsettled((name, token.encode()) for name in names)
+            raise
+        return picked, hints, token
 
     def _serve_from_all(self, item: Item, qty: int, record: RecordOrder, deadline: float) -> Order:
         locks: list[Lock] = []
