@@ -152,6 +152,9 @@ FLASHSALE_REDIS_PREFIX = env.str("FLASHSALE_REDIS_PREFIX", default="flashsale")
 # Stock rows per sale: `segmented`'s shards (each with its own lock) and `lua`'s stripes.
 FLASHSALE_SHARDS = env.int("FLASHSALE_SHARDS", default=10)
 FLASHSALE_STRIPES = env.int("FLASHSALE_STRIPES", default=10)
+for _rows in ("FLASHSALE_SHARDS", "FLASHSALE_STRIPES"):
+    if not 1 <= globals()[_rows] <= 1000:
+        raise ImproperlyConfigured(f"{_rows} must be from 1 to 1000, not {globals()[_rows]}")
 # `lua` group commit: sales queued in Redis, written by one buyer for all in one commit (off:
 # one commit per sale, which is faster on 2 cores; see docs/design.md).
 FLASHSALE_GROUP_COMMIT = env.bool("FLASHSALE_GROUP_COMMIT", default=False)

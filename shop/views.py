@@ -105,13 +105,13 @@ def item_page(request: HttpRequest, sku: str) -> HttpResponse:
         "idempotency_key": uuid.uuid4().hex,
         "max_qty": max_qty,
     }
+    # A form re-rendered with its error is a 200, Django's convention (a 4xx would be logged
+    # by the browser as a failed load); only "busy, retry later" keeps its 503.
     status = 200
     headers = {}
     if isinstance(error, Busy):
         status = 503
         headers["Retry-After"] = str(error.retry_after)
-    elif error is not None:
-        status = 409
     response = render(request, "shop/item_page.html", context, status=status)
     for name, value in headers.items():
         response[name] = value

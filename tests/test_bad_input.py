@@ -147,3 +147,23 @@ def test_sale_command_refuses_bad_arguments_and_changes_nothing(item, args):
     with pytest.raises(CommandError):
         call_command("sale", *args)
     assert _snapshot() == before
+
+
+@pytest.mark.parametrize("setting", ["FLASHSALE_SHARDS", "FLASHSALE_STRIPES"])
+def test_a_sale_without_stock_rows_is_refused_at_start(setting):
+    import os
+    import subprocess
+    import sys
+
+    from loadtest.server import PROJECT_DIR
+
+    result = subprocess.run(
+        [sys.executable, "manage.py", "check"],
+        cwd=PROJECT_DIR,
+        env={**os.environ, setting: "0"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert f"{setting} must be from 1 to 1000, not 0" in result.stderr
