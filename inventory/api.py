@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,14 +17,13 @@ from django.views.decorators.csrf import csrf_exempt
 
 from . import selectors, services
 from .exceptions import Busy, CheckoutError, InvalidRequest
-from .models import Order
+from .models import SKU_PATTERN, Order
 from .strategies.lock import lock_wait_seconds
 
 logger = logging.getLogger(__name__)
 
 CHECKOUT_FIELDS = {"sku", "qty", "buyer", "idempotency_key"}
 #: What Item.sku (a SlugField of 64) can hold.
-SKU_PATTERN = re.compile(r"[-a-zA-Z0-9_]{1,64}")
 
 
 def error_response(
@@ -76,7 +74,8 @@ def parse_checkout(body: bytes) -> CheckoutRequest:
     """Validate a checkout body; raise InvalidRequest saying what is wrong."""
     try:
         data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        # (RecursionError: JSON nested deeper than the parser's recursion limit)
         raise InvalidRequest("the body must be a JSON object") from None
     if not isinstance(data, dict):
         raise InvalidRequest("the body must be a JSON object")

@@ -7,10 +7,15 @@ idempotency key, a buyer never past the item's limit).
 
 from __future__ import annotations
 
+import re
+
 from django.db import models
 from django.db.models import Q
 from django.db.models.functions import Coalesce
 from django.utils import timezone
+
+#: What a sku may be: the slug the `sku` field stores (also what URLs and Redis keys carry).
+SKU_PATTERN = re.compile(r"[-a-zA-Z0-9_]{1,64}")
 
 
 class Strategy(models.TextChoices):

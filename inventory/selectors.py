@@ -8,13 +8,15 @@ from django.db.models import Count, QuerySet, Sum
 
 from .breaker import breaker
 from .exceptions import NotOnSale, UnknownSku
-from .models import LIVE_STATUSES, Item, Order, OrderStatus
+from .models import LIVE_STATUSES, SKU_PATTERN, Item, Order, OrderStatus
 from .redis_client import REDIS_DOWN_ERRORS, get_redis_client
 from .stock import shard_stocks
 from .strategies import get_strategy
 
 
 def get_item(sku: str) -> Item:
+    if not SKU_PATTERN.fullmatch(sku):
+        raise UnknownSku(sku)  # (never sent to the database: a NUL byte is not even valid there)
     try:
         return Item.objects.with_units_left().select_related("current_sale").get(sku=sku)
     except Item.DoesNotExist:

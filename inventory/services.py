@@ -233,6 +233,9 @@ def start_sale(
     Raises InvalidRequest for a bad argument; nothing is written then.
     """
     _validate_sale(sku=sku, stock=stock, strategy=strategy, limit=limit, price=price)
+    longest = Item._meta.get_field("name").max_length
+    if name is not None and (len(name) > longest or not name.isprintable()):
+        raise InvalidRequest(f"name: at most {longest} printable characters")
     if not 0 <= opens_in <= 7 * 24 * 3600:
         raise InvalidRequest("opens in: from 0 seconds to a week")
     selling = get_strategy(strategy)
@@ -293,7 +296,9 @@ def _validate_sale(
         raise InvalidRequest("stock: a whole number from 0 to 1000000000")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise InvalidRequest("limit: a whole number of at least 1")
-    if price is not None and (price < 0 or price >= Decimal("1e8")):
+    if price is not None and (
+        not Decimal(price).is_finite() or price < 0 or price >= Decimal("1e8")
+    ):
         raise InvalidRequest("price: from 0 to 99999999.99")
 
 

@@ -36,7 +36,7 @@ def _buyer_name(request: HttpRequest) -> str:
 
 def _units_held(item: Item, buyer: str) -> int:
     """Units buyer holds of item, as counted against its per-buyer limit (0 without a limit)."""
-    if not buyer or item.per_buyer_limit is None:
+    if not buyer or item.per_buyer_limit is None or not buyer.isprintable():
         return 0
     allowance = BuyerAllowance.objects.filter(sale_id=item.current_sale_id, buyer=buyer).first()
     return allowance.units if allowance else 0
@@ -54,6 +54,14 @@ def _parse_order_form(request: HttpRequest) -> tuple[str, int]:
     if not 1 <= qty <= settings.FLASHSALE_MAX_QTY:
         raise InvalidRequest(f"choose a quantity from 1 to {settings.FLASHSALE_MAX_QTY}")
     return buyer, qty
+
+
+def _form_key(request: HttpRequest) -> str | None:
+    """The form's idempotency key (the page renders a uuid4 hex); InvalidRequest if tampered."""
+    key = request.POST.get("idempotency_key") or None
+    if key is not None and (len(key) > 128 or not key.isprintable()):
+        raise InvalidRequest("the form is out of date: reload the page and try again")
+    return key
 
 
 @never_cache  # a page from the back button would resubmit an old idempotency key
@@ -75,7 +83,7 @@ def item_page(request: HttpRequest, sku: str) -> HttpResponse:
                 qty=qty,
                 buyer=buyer,
                 # One key per rendered form: a double submit gets the first order back.
-                idempotency_key=request.POST.get("idempotency_key") or None,
+                idempotency_key=_form_key(request),
             )
         except CheckoutError as exc:
             error = exc

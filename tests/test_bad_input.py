@@ -129,6 +129,37 @@ def test_unknown_item_and_order_are_404_json(client, item):
     assert response.json()["error"] == "unknown_order"
 
 
+def test_deeply_nested_json_is_a_400_not_a_500(client, item):
+    before = _snapshot()
+    nested = b"[" * 5000 + b"]" * 5000  # under the body limit, past the parser's recursion
+    response = client.post("/api/checkout", nested, content_type="application/json")
+    assert response.status_code == 400 and response.json()["error"] == "invalid"
+    assert client.post("/api/noop", nested, content_type="application/json").status_code == 200
+    assert _snapshot() == before
+
+
+@pytest.mark.parametrize("path", ["/api/items/%00", "/items/%00/", "/api/items/a%00b/audit"])
+def test_a_nul_byte_in_a_sku_is_unknown_not_a_500(client, item, path):
+    assert client.get(path).status_code == 404
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        {"buyer": "ann", "qty": "1", "idempotency_key": "k" * 129},
+        {"buyer": "ann", "qty": "1", "idempotency_key": "nul\x00key"},
+        {"buyer": "nul\x00ann", "qty": "1"},
+    ],
+    ids=["long-key", "nul-key", "nul-buyer"],
+)
+def test_a_tampered_buy_form_is_refused_with_the_form_and_changes_nothing(client, item, form):
+    before = _snapshot()
+    response = client.post("/items/gadget/", form)
+    assert response.status_code == 200
+    assert 'data-error="invalid"' in response.content.decode()
+    assert _snapshot() == before
+
+
 @pytest.mark.parametrize(
     "args",
     [
@@ -139,6 +170,10 @@ def test_unknown_item_and_order_are_404_json(client, item):
         ["start", "gadget", "--stock", "many", "--strategy", "lua"],
         ["start", "gadget", "--stock", "5", "--strategy", "lua", "--price", "-3"],
         ["start", "gadget", "--stock", "5", "--strategy", "lua", "--opens-in", "-1"],
+        ["start", "gadget", "--stock", "5", "--strategy", "lua", "--price", "NaN"],
+        ["start", "gadget", "--stock", "5", "--strategy", "lua", "--price", "Infinity"],
+        ["start", "gadget", "--stock", "5", "--strategy", "lua", "--name", "x" * 201],
+        ["start", "gadget", "--stock", "5", "--strategy", "lua", "--name", "nul\x00name"],
         ["audit", "nope"],
     ],
 )
