@@ -459,6 +459,22 @@ def shard_stocks(sale_id: int | None, *, for_update: bool = False) -> dict[int, 
     return dict(shards.values_list("index", "stock"))
 
 
+def plan_rows(levels: dict[int, int], qty: int) -> dict[int, int]:
+    """Units to take per stock row for qty: from one row that holds them all when one does
+    (picked at random, to spread buyers over the rows), else from several in index order.
+    The caller checked that the rows hold qty between them."""
+    whole = [index for index, units in levels.items() if units >= qty]
+    if whole:
+        return {random.choice(whole): qty}
+    plan: dict[int, int] = {}
+    needed = qty
+    for index in sorted(levels):
+        if needed and levels[index] > 0:
+            plan[index] = min(levels[index], needed)
+            needed -= plan[index]
+    return plan
+
+
 def split_stock(total: int, shard_count: int) -> list[int]:
     """Split total units over shard_count shards as evenly as possible, the first ones larger."""
     base, extra = divmod(total, shard_count)

@@ -37,7 +37,7 @@ from ..breaker import breaker
 from ..exceptions import Busy, LimitReached, SoldOut
 from ..models import Item, Order
 from ..redis_client import REDIS_DOWN_ERRORS, get_redis_client
-from ..stock import HalfDone, Sold, shard_stocks, simulate_work
+from ..stock import HalfDone, Sold, back_off, plan_rows, shard_stocks, simulate_work
 from . import rows
 from .base import Allocation, RecordOrder, StockStrategy
 
@@ -88,7 +88,7 @@ class LuaStrategy(StockStrategy):
                 return sold.order
             # The database holds fewer units than Redis granted: the counters were too high.
             self._resync(item)
-        return self._refused(item, qty)
+        return self._refused(item, qty, record)
 
     def _take_grouped(self, item: Item, qty: int, record: RecordOrder) -> Order:
         group = rows.group_commit(item)
@@ -128,7 +128,7 @@ class LuaStrategy(StockStrategy):
             if outcome == "locked":
                 raise stock.RowLockTimeout(f"{item.sku}: a stock row stayed locked")
             raise stock.SaleRestarted(f"{item.sku}: sale {item.current_sale_id} is over")
-        return self._refused(item, qty)
+        return self._refused(item, qty, record)
 
     def _settle(self, item: Item, group: GroupCommit, queued: Queued) -> dict[str, Any]:
         """The batch's answer to our queued sale; Busy when none can be had."""
@@ -157,13 +157,26 @@ class LuaStrategy(StockStrategy):
             )
         return answer
 
-    def _refused(self, item: Item, qty: int) -> Order:
+    def _refused(self, item: Item, qty: int, record: RecordOrder) -> Order:
+        """Redis granted units the database refused, twice: its counters lag the database
+        (rebuilt while other sales were in flight). Let the database decide, as the fallback
+        does: sell from the rows it says hold the units, then set the counters from it."""
         stock.ensure_current(item)
-        left = sum(shard_stocks(item.current_sale_id).values())
-        if left < qty:
-            raise SoldOut(sku=item.sku, requested=qty, remaining=left)
+        for attempt in range(ATTEMPTS):
+            levels = shard_stocks(item.current_sale_id)
+            if sum(levels.values()) < qty:
+                self._resync(item)
+                raise SoldOut(sku=item.sku, requested=qty, remaining=sum(levels.values()))
+            try:
+                sold = record(Allocation(strategy=self.name, shard_units=plan_rows(levels, qty)))
+            except HalfDone:
+                sold = None  # another sale took a row between the read and the write
+            if sold is not None:
+                self._resync(item)
+                return sold.order
+            back_off(attempt)
         raise Busy(
-            f"{item.sku}: its stock counters disagreed with the database",
+            f"{item.sku}: its stock rows kept changing under the checkout",
             retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
         )
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import random
-
 from django.conf import settings
 from django.db import transaction
 
@@ -15,6 +13,7 @@ from ..stock import (
     Sold,
     back_off,
     lock_stock_row,
+    plan_rows,
     read_stock,
     shard_stocks,
     simulate_work,
@@ -80,26 +79,10 @@ class OptimisticStrategy(StockStrategy):
             levels = shard_stocks(item.current_sale_id, for_update=locked)
             left = sum(levels.values())
             if left >= qty:
-                return Allocation(strategy=self.name, shard_units=_split(levels, qty))
+                return Allocation(strategy=self.name, shard_units=plan_rows(levels, qty))
         else:
             seen = lock_stock_row(item.pk) if locked else read_stock(item.pk)
             left = seen.stock
             if left >= qty:
                 return Allocation(strategy=self.name, expected_version=seen.version)
         raise SoldOut(sku=item.sku, requested=qty, remaining=left)
-
-
-def _split(levels: dict[int, int], qty: int) -> dict[int, int]:
-    """Units to take per stock row for qty: from one row that holds them all when one does
-    (picked at random, to spread buyers over the rows), else from several in index order.
-    The caller checked that the rows hold qty between them."""
-    whole = [index for index, units in levels.items() if units >= qty]
-    if whole:
-        return {random.choice(whole): qty}
-    plan: dict[int, int] = {}
-    needed = qty
-    for index in sorted(levels):
-        if needed and levels[index] > 0:
-            plan[index] = min(levels[index], needed)
-            needed -= plan[index]
-    return plan
