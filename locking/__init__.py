@@ -7,7 +7,7 @@ errors from :class:`Lock` exactly as it does from :class:`redis.lock.Lock`.
 
 from redis.exceptions import LockError, LockNotOwnedError
 
-from .counter import StockCounter
+from .counter import Claim, KeyClaimed, StockCounter
 from .lock import Lock
 
-__all__ = ["Lock", "LockError", "LockNotOwnedError", "StockCounter"]
+__all__ = ["Claim", "KeyClaimed", "Lock", "LockError", "LockNotOwnedError", "StockCounter"]

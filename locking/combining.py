@@ -23,6 +23,7 @@ from typing import Any
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import scripts
+from .counter import Claim, KeyClaimed, StockCounter, claim_args
 
 #: Answer pushed to a taker that now holds the combiner lock (see scripts.RELEASE_COMBINER).
 COMBINE = "combine"
@@ -73,21 +74,31 @@ class GroupCommit:
         self._withdraw = scripts.script_for(redis, scripts.WITHDRAW_REQUEST)
 
     def take_and_enqueue(
-        self, *, cursor: str, counters: Sequence[str], qty: int, request: dict[str, Any]
+        self,
+        *,
+        cursor: str,
+        counters: Sequence[str],
+        qty: int,
+        request: dict[str, Any],
+        claim: Claim | None = None,
     ) -> Queued | dict[int, int] | None:
         """Take qty units from the counters and queue the request, in one script.
 
         Returns the Queued request; or, with nothing taken or queued, an empty dict when the
         counters hold fewer than qty units together and None when a counter is missing.
+        ``claim`` works as in :meth:`StockCounter.take_spread` (raises KeyClaimed).
         """
         request_id = uuid.uuid4().hex
         token = uuid.uuid4().hex
         body = json.dumps(request, separators=(",", ":"))
+        claim_keys, claim_argv = claim_args(claim)
         reply = self._take(
-            keys=[cursor, self.queue, self.lock, *counters],
-            args=[qty, request_id, body[:-1], token, self.lock_ttl_ms],
+            keys=[cursor, self.queue, self.lock, *counters, *claim_keys],
+            args=[qty, request_id, body[:-1], token, self.lock_ttl_ms, *claim_argv],
             client=self.redis,
         )
+        if reply[0] == StockCounter.CLAIMED and claim is not None:
+            raise KeyClaimed(claim)
         if reply[0] == -2:
             return None
         if reply[0] == -1:

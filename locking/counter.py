@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from . import scripts
@@ -13,6 +15,37 @@ def _positive_qty(qty: int) -> int:
     if isinstance(qty, bool) or not isinstance(qty, int) or qty <= 0:
         raise ValueError(f"qty must be a positive int, got {qty!r}")
     return qty
+
+
+class KeyClaimed(Exception):
+    """A twin checkout (same idempotency key) holds units taken under the key's claim: wait
+    until the claim is gone, then take again (see :meth:`StockCounter.take_spread`)."""
+
+    def __init__(self, claim: Claim) -> None:
+        super().__init__(f"{claim.key} is held by a checkout in flight")
+        self.claim = claim
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A checkout's claim on its idempotency key: ``key`` names it, ``token`` is this taker's,
+    ``ttl_ms`` how long it outlives a taker that never gives it up."""
+
+    key: str
+    ttl_ms: int
+    token: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ttl_ms, bool) or not isinstance(self.ttl_ms, int) or self.ttl_ms <= 0:
+            raise ValueError(f"a claim needs a positive TTL in ms, got {self.ttl_ms!r}")
+
+    def script_args(self) -> tuple[list[str], list[object]]:
+        """The extra KEYS and ARGV of a take under this claim."""
+        return [self.key], [self.ttl_ms, self.token]
+
+
+def claim_args(claim: Claim | None) -> tuple[list[str], list[object]]:
+    return ([], []) if claim is None else claim.script_args()
 
 
 class StockCounter:
@@ -27,6 +60,8 @@ class StockCounter:
     MISSING: ClassVar[int] = -2
     #: ``take`` result: the counter holds less than the requested quantity.
     INSUFFICIENT: ClassVar[int] = -1
+    #: ``take_spread`` result: a twin checkout holds the idempotency claim.
+    CLAIMED: ClassVar[int] = -3
 
     def __init__(self, redis: Any) -> None:
         self.redis = redis
@@ -35,6 +70,7 @@ class StockCounter:
         self._lock_first = scripts.script_for(redis, scripts.LOCK_FIRST_HOLDING)
         self._give_back = scripts.script_for(redis, scripts.STOCK_GIVE_BACK)
         self._give_back_once = scripts.script_for(redis, scripts.STOCK_GIVE_BACK_ONCE)
+        self._delete_if_equal = scripts.script_for(redis, scripts.DELETE_IF_EQUAL)
 
     def take(self, key: str, qty: int) -> int:
         """Decrement ``key`` by ``qty`` if it holds at least ``qty``.
@@ -44,7 +80,14 @@ class StockCounter:
         """
         return int(self._take(keys=[key], args=[_positive_qty(qty)], client=self.redis))
 
-    def take_spread(self, cursor: str, keys: Sequence[str], qty: int) -> dict[int, int] | None:
+    def take_spread(
+        self,
+        cursor: str,
+        keys: Sequence[str],
+        qty: int,
+        *,
+        claim: Claim | None = None,
+    ) -> dict[int, int] | None:
         """Take ``qty`` units from the counters ``keys`` (one per stock row) in one script.
 
         Returns the units taken per position in ``keys``: from a single counter that holds
@@ -52,12 +95,22 @@ class StockCounter:
         turn), else from several, lowest position first; an empty dict when the counters hold
         fewer than ``qty`` together (nothing taken); None when a counter does not exist
         (nothing taken). Raises ValueError unless ``qty`` is a positive int.
+
+        ``claim`` (naming the checkout's idempotency key) makes twins wait for each other:
+        units taken set it for ``claim.ttl_ms``, and while it exists a take under the same
+        key raises :class:`KeyClaimed` and takes nothing. Whoever set it gives it up once
+        its checkout is over (:meth:`release_claim`).
         """
         if not keys:
             raise ValueError("take_spread needs at least one counter")
+        claim_keys, claim_argv = claim_args(claim)
         reply = self._take_spread(
-            keys=[cursor, *keys], args=[_positive_qty(qty)], client=self.redis
+            keys=[cursor, *keys, *claim_keys],
+            args=[_positive_qty(qty), *claim_argv],
+            client=self.redis,
         )
+        if reply[0] == self.CLAIMED and claim is not None:
+            raise KeyClaimed(claim)
         if reply[0] == self.MISSING:
             return None
         if reply[0] == self.INSUFFICIENT:
@@ -90,6 +143,14 @@ class StockCounter:
         if reply[0] == self.MISSING:
             return None, []
         return int(reply[0]), [int(level) for level in reply[1:]]
+
+    def release_claim(self, claim: Claim) -> None:
+        """Give up ``claim`` if it is still this taker's (a twin may take again)."""
+        self._delete_if_equal(keys=[claim.key], args=[claim.token], client=self.redis)
+
+    def claim_held(self, claim: Claim) -> bool:
+        """Whether anyone (this taker or a twin) holds the claim's key."""
+        return bool(self.redis.exists(claim.key))
 
     def give_back_many(self, amounts: Mapping[str, int]) -> None:
         """Increment each counter by its amount (one round trip); missing counters stay

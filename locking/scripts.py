@@ -182,17 +182,17 @@ return redis.call('decrby', KEYS[1], qty)
 """
 
 # A Lua function shared by the scripts that take units spread over several counters (prefixed
-# to their text). take_spread(cursor, first, qty) reads the counters KEYS[first..#KEYS] (the
-# stock rows of one item; counter i is row i - first) and returns {-2} when one does not exist,
+# to their text). take_spread(cursor, first, last, qty) reads the counters KEYS[first..last]
+# (the stock rows of one item; counter i is row i - first) and returns {-2} when one does not exist,
 # {-1, units left in all} when together they hold less than qty (nothing changed then),
 # otherwise the units taken as a flat list {row, units, row, units, ...}: from one counter that
 # holds all of qty when one does (the first such counter at or after the cursor key's position,
 # so that takers land on the rows in turn), else from several, lowest row first. Every counter
 # is read and decremented in the one script, so concurrent takers cannot oversell any of them.
 _TAKE_SPREAD_FUNCTION = """
-local function take_spread(cursor, first, qty)
-    local n = #KEYS - first + 1
-    local levels = redis.call('mget', unpack(KEYS, first))
+local function take_spread(cursor, first, last, qty)
+    local n = last - first + 1
+    local levels = redis.call('mget', unpack(KEYS, first, last))
     local total = 0
     for i = 1, n do
         if not levels[i] then
@@ -229,16 +229,37 @@ local function take_spread(cursor, first, qty)
     end
     return taken
 end
+
+-- A checkout's claim on its idempotency key: while a twin (a retry with the same key) holds
+-- units, another take with the key answers {-3} and takes nothing, sold out or not, so that
+-- it waits for the twin's order instead of answering before it. `ttl` is nil (no key) or the
+-- claim's lifetime in ms; the claim (holding the taker's token) is set only when units are
+-- taken.
+local function claimed(claim, ttl)
+    return ttl and redis.call('exists', claim) == 1
+end
+local function claim(claim, ttl, token, taken)
+    if ttl and taken[1] >= 0 then
+        redis.call('set', claim, token, 'PX', ttl)
+    end
+    return taken
+end
 """
 
 # KEYS[1] cursor (an integer key, created at 1 on first use), KEYS[2..n+1] the stock counters
-# of one item's n stock rows
-# ARGV[1] quantity (positive integer)
-# Returns what take_spread returns (above).
+# of one item's n stock rows, then, with ARGV[2], KEYS[n+2] the checkout's idempotency claim
+# ARGV[1] quantity (positive integer), ARGV[2] and ARGV[3] (optional) the claim's TTL in ms
+# and the taker's token
+# Returns {-3} when a twin holds the claim, otherwise what take_spread returns (above).
 STOCK_TAKE_SPREAD = (
     _TAKE_SPREAD_FUNCTION
     + """
-return take_spread(KEYS[1], 2, tonumber(ARGV[1]))
+local ttl = ARGV[2]
+local last = ttl and #KEYS - 1 or #KEYS
+if claimed(KEYS[#KEYS], ttl) then
+    return {-3}
+end
+return claim(KEYS[#KEYS], ttl, ARGV[3], take_spread(KEYS[1], 2, last, tonumber(ARGV[1])))
 """
 )
 
@@ -270,16 +291,24 @@ local function hand_on(queue, lock, ttl, reply_prefix)
 end
 """
 
-# KEYS[1] cursor, KEYS[2] queue, KEYS[3] combiner lock, KEYS[4..n+3] the stock counters
+# KEYS[1] cursor, KEYS[2] queue, KEYS[3] combiner lock, KEYS[4..n+3] the stock counters,
+# then, with ARGV[6], KEYS[n+4] the checkout's idempotency claim
 # ARGV[1] quantity, ARGV[2] request id (no "|"), ARGV[3] the request as a JSON object missing
 # its last member and closing brace (the script appends `,"rows":{...}}`), ARGV[4] token,
-# ARGV[5] combiner lock TTL in ms
-# Returns {-2} or {-1, left} as take_spread (nothing queued then), otherwise
+# ARGV[5] combiner lock TTL in ms, ARGV[6] and ARGV[7] (optional) the claim's TTL in ms and the
+# taker's token
+# Returns {-3} when a twin holds the claim, {-2} or {-1, left} as take_spread (nothing queued
+# then), otherwise
 # {1 when this caller now holds the combiner lock else 0, the queued entry, row, units, ...}.
 TAKE_AND_ENQUEUE = (
     _TAKE_SPREAD_FUNCTION
     + """
-local taken = take_spread(KEYS[1], 4, tonumber(ARGV[1]))
+local ttl = ARGV[6]
+local last = ttl and #KEYS - 1 or #KEYS
+if claimed(KEYS[#KEYS], ttl) then
+    return {-3}
+end
+local taken = claim(KEYS[#KEYS], ttl, ARGV[7], take_spread(KEYS[1], 4, last, tonumber(ARGV[1])))
 if taken[1] < 0 then
     return taken
 end
@@ -372,6 +401,15 @@ return reply
 # ARGV[1] quantity (positive integer)
 # Returns -2 when the counter does not exist (it stays missing: INCRBY would create it
 # and resurrect a counter that was deliberately removed), otherwise the new value.
+# KEYS[1] a key, ARGV[1] a value: deletes the key if it holds the value (a claim given up by
+# its taker, never one a twin set after it expired). Returns 1 if deleted, else 0.
+DELETE_IF_EQUAL = """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+    return redis.call('del', KEYS[1])
+end
+return 0
+"""
+
 STOCK_GIVE_BACK = """
 if redis.call('exists', KEYS[1]) == 0 then
     return -2

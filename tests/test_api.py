@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from threading import Barrier
 
 import pytest
 from django.core.management import call_command
@@ -159,6 +160,44 @@ def test_concurrent_retries_with_one_key_make_one_order(strategy):
     assert Order.objects.count() == 1
     assert Item.objects.get(sku="widget").units_left == 49
     call_command("sale", "audit", "widget", "--json")
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("strategy", "group_commit", "rounds"),
+    [
+        ("lua", False, 8),
+        ("lua", True, 4),
+        ("lock", False, 2),
+        ("segmented", False, 2),
+        ("optimistic", False, 2),
+    ],
+)
+def test_concurrent_retries_of_one_key_on_the_last_unit_get_one_answer(
+    settings, strategy, group_commit, rounds
+):
+    # The last unit: a retry that finds the stock gone while its twin still writes the order
+    # must wait for that order, not answer sold out.
+    settings.FLASHSALE_GROUP_COMMIT = group_commit
+
+    def attempt(sku: str, barrier: Barrier) -> tuple[int, bytes]:
+        try:
+            barrier.wait(10)
+            response = _checkout(Client(), sku=sku, qty=1, buyer="ann", idempotency_key=sku)
+            return response.status_code, response.content
+        finally:
+            connection.close()
+
+    for round_ in range(rounds):
+        sku = f"last-{round_}"
+        start_sale(sku=sku, stock=1, strategy=strategy)
+        barrier = Barrier(30)
+        with ThreadPoolExecutor(30) as pool:
+            answers = list(pool.map(attempt, [sku] * 30, [barrier] * 30))
+        assert {status for status, _ in answers} == {201}, (round_, answers)
+        assert len({body for _, body in answers}) == 1
+        assert Order.objects.filter(item__sku=sku).count() == 1
+        assert Item.objects.get(sku=sku).units_left == 0
 
 
 @pytest.mark.django_db(transaction=True)

@@ -7,7 +7,7 @@ import multiprocessing
 import pytest
 import redis
 
-from locking import StockCounter
+from locking import Claim, KeyClaimed, StockCounter
 from tests.support import delete_prefix, gather_from_processes, redis_url, unique_prefix
 
 
@@ -197,3 +197,35 @@ def test_lock_first_holding_locks_a_free_row_that_holds_the_quantity(
     lock.release()
     assert r.get(locks[1]) is None
     assert counter.lock_first_holding(keys, locks, 1, token="t4", **take)[0] == 1
+
+
+def test_a_claimed_take_keeps_twins_out_until_its_taker_gives_it_up(
+    r: redis.Redis, prefix: str
+) -> None:
+    counter = StockCounter(r)
+    cursor, keys = prefix + "turn", [prefix + "row:0", prefix + "row:1"]
+    counter.set_many(dict.fromkeys(keys, 1))
+    first, twin = Claim(prefix + "claim", ttl_ms=5000), Claim(prefix + "claim", ttl_ms=5000)
+
+    assert counter.take_spread(cursor, keys, 1, claim=first) in ({0: 1}, {1: 1})
+    assert r.get(first.key) == first.token.encode() and 0 < r.pttl(first.key) <= 5000
+    # the twin takes nothing while the claim stands, whether units are left or not
+    with pytest.raises(KeyClaimed):
+        counter.take_spread(cursor, keys, 1, claim=twin)
+    assert counter.get_many(keys).count(1) == 1
+    counter.set_many(dict.fromkeys(keys, 0))
+    with pytest.raises(KeyClaimed):
+        counter.take_spread(cursor, keys, 1, claim=twin)
+    # only its taker gives it up; then the twin is answered like anyone (sold out here)
+    counter.release_claim(twin)
+    assert counter.claim_held(first)
+    counter.release_claim(first)
+    assert not counter.claim_held(first)
+    assert counter.take_spread(cursor, keys, 1, claim=twin) == {}
+    assert not r.exists(twin.key)  # nothing taken: no claim set
+    # takes without a claim never look at it
+    counter.set(keys[0], 1)
+    r.set(first.key, "someone")
+    assert counter.take_spread(cursor, keys, 1) == {0: 1}
+    with pytest.raises(ValueError):
+        Claim(prefix + "claim", ttl_ms=0)

@@ -34,6 +34,10 @@ class Allocation:
 class RecordOrder(Protocol):
     """Writes the checkout's sale (`inventory.stock.SaleRecorder`)."""
 
+    #: The checkout's idempotency key, if it has one (the database enforces it; a strategy
+    #: may use it to keep twin retries apart).
+    idempotency_key: str | None
+
     def __call__(self, allocation: Allocation) -> Sold | None:
         """Take the allocation's units and write the order row (and anything else the checkout
         records) all at once: the committed sale, or None when a guard refused and nothing

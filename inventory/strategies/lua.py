@@ -24,12 +24,15 @@ more. If anything else fails before commit, the units go back to the counters.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from django.conf import settings
 from django.db import IntegrityError, connection
 
+from locking import Claim, KeyClaimed
 from locking.combining import GroupCommit, Queued
 
 from .. import stock
@@ -46,6 +49,8 @@ logger = logging.getLogger(__name__)
 #: Takes tried before a buyer refused by the database is told sold out (or busy).
 ATTEMPTS = 2
 
+T = TypeVar("T")
+
 
 def _write_batch(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`stock.sell_batch`, answering `locked` to every request when a row stayed locked (the
@@ -54,6 +59,56 @@ def _write_batch(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return stock.sell_batch(requests)
     except stock.RowLockTimeout:
         return [{"o": "locked"}] * len(requests)
+
+
+def _claim(item: Item, record: RecordOrder) -> Claim | None:
+    """The claim a checkout with an idempotency key takes with its units, so that a retry
+    racing it (same key) waits for its order instead of answering before it: without it, a
+    retry that finds the last unit gone while its twin still writes the order would answer
+    sold out to a client that holds an order. It lasts as long as a lock would."""
+    if not record.idempotency_key:
+        return None
+    return Claim(
+        key=rows.sale_key(item, "claim", record.idempotency_key),
+        ttl_ms=settings.FLASHSALE_LOCK_TTL_MS,
+    )
+
+
+def _release(claim: Claim) -> None:
+    try:
+        rows.counter().release_claim(claim)
+    except REDIS_DOWN_ERRORS:
+        pass  # it expires on its own; meanwhile a twin waits or is answered busy
+
+
+def _taken(item: Item, take: Callable[[], T | None]) -> T:
+    """What `take` took (units, or a queued sale; empty when sold out). Seeds the counters
+    once when Redis lost them, and waits while a twin checkout holds the idempotency claim
+    (at most the claim's lifetime, then Busy)."""
+    seeded = False
+    deadline = None
+    pause = 0.001
+    while True:
+        try:
+            taken = take()
+        except KeyClaimed as exc:
+            now = time.monotonic()
+            deadline = deadline or now + exc.claim.ttl_ms / 1000
+            if now >= deadline:
+                raise Busy(
+                    f"{item.sku}: a checkout with the same idempotency key is still in flight",
+                    retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+                ) from None
+            time.sleep(pause)  # the twin needs a statement or two: a few ms
+            pause = min(pause * 2, 0.02)
+            continue
+        if taken is not None:
+            return taken
+        if seeded:
+            raise Busy(f"{item.sku}: stock counters are being rebuilt")
+        # Redis restarted empty or was never warmed: seed it from the database, once.
+        LuaStrategy._seed(item)
+        seeded = True
 
 
 class LuaStrategy(StockStrategy):
@@ -67,20 +122,22 @@ class LuaStrategy(StockStrategy):
     item_may_be_remembered = True
 
     def take(self, *, item: Item, qty: int, buyer: str, record: RecordOrder) -> Order:
-        # Inside a caller's transaction a batch would not commit before the answer.
-        if settings.FLASHSALE_GROUP_COMMIT and not connection.in_atomic_block:
-            return self._take_grouped(item, qty, record)
+        claim = _claim(item, record)
+        try:
+            # Inside a caller's transaction a batch would not commit before the answer.
+            if settings.FLASHSALE_GROUP_COMMIT and not connection.in_atomic_block:
+                return self._take_grouped(item, qty, record, claim)
+            return self._take(item, qty, record, claim)
+        finally:
+            if claim is not None:
+                _release(claim)
+
+    def _take(self, item: Item, qty: int, record: RecordOrder, claim: Claim | None) -> Order:
         counter = rows.counter()
         keys = rows.row_keys(item)
         cursor = rows.sale_key(item, "turn")
         for _ in range(ATTEMPTS):
-            plan = counter.take_spread(cursor, keys, qty)
-            if plan is None:
-                # Redis restarted empty or was never warmed: seed it from the database, once.
-                self._seed(item)
-                plan = counter.take_spread(cursor, keys, qty)
-                if plan is None:
-                    raise Busy(f"{item.sku}: stock counters are being rebuilt")
+            plan = _taken(item, lambda: counter.take_spread(cursor, keys, qty, claim=claim))
             if not plan:
                 raise SoldOut(sku=item.sku, requested=qty)
             sold = self._record(item, plan, record)
@@ -90,21 +147,20 @@ class LuaStrategy(StockStrategy):
             self._resync(item)
         return self._refused(item, qty, record)
 
-    def _take_grouped(self, item: Item, qty: int, record: RecordOrder) -> Order:
+    def _take_grouped(
+        self, item: Item, qty: int, record: RecordOrder, claim: Claim | None
+    ) -> Order:
         group = rows.group_commit(item)
         keys = rows.row_keys(item)
         cursor = rows.sale_key(item, "turn")
         request = record.request(served_by=self.name)
         for _ in range(ATTEMPTS):
-            queued = group.take_and_enqueue(cursor=cursor, counters=keys, qty=qty, request=request)
-            if queued is None:
-                # Redis restarted empty or was never warmed: seed it from the database, once.
-                self._seed(item)
-                queued = group.take_and_enqueue(
-                    cursor=cursor, counters=keys, qty=qty, request=request
-                )
-                if queued is None:
-                    raise Busy(f"{item.sku}: stock counters are being rebuilt")
+            queued = _taken(
+                item,
+                lambda: group.take_and_enqueue(
+                    cursor=cursor, counters=keys, qty=qty, request=request, claim=claim
+                ),
+            )
             if not isinstance(queued, Queued):
                 raise SoldOut(sku=item.sku, requested=qty)
             answer = self._settle(item, group, queued)
@@ -190,7 +246,8 @@ class LuaStrategy(StockStrategy):
             self._give_back(item, plan)
             raise
 
-    def _seed(self, item: Item) -> None:
+    @staticmethod
+    def _seed(item: Item) -> None:
         # Counters are missing when Redis lost them, or when a restart dropped this sale's.
         stock.ensure_current(item)
         levels = shard_stocks(item.current_sale_id)
