@@ -3,9 +3,11 @@ starts a new batch on a Celery worker."""
 
 from __future__ import annotations
 
+import re
+
 from django import forms
 from django.contrib import admin, messages
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.shortcuts import redirect
 from django.template.response import TemplateResponse
 from django.urls import reverse
@@ -71,8 +73,21 @@ def _filtered(form: FilterForm):
     return runs
 
 
+#: A run id as the `run` parameter gives it: ASCII digits that fit PostgreSQL's bigint.
+RUN_ID = re.compile(r"[0-9]{1,18}")
+
+
+def _chosen(request: HttpRequest) -> list[int]:
+    """The `run` ids asked for; InvalidRequest when one is not a run id."""
+    chosen = request.GET.getlist("run")
+    wrong = [pk for pk in chosen if not RUN_ID.fullmatch(pk)]
+    if wrong:
+        raise InvalidRequest(f"run must be a load run's id (digits 0-9), got {wrong[0][:40]!r}")
+    return [int(pk) for pk in chosen]
+
+
 def _selected(request: HttpRequest, candidates) -> list[SaleRun]:
-    chosen = [int(pk) for pk in request.GET.getlist("run") if pk.isdigit()]
+    chosen = _chosen(request)
     if chosen:
         return list(SaleRun.objects.filter(pk__in=chosen).order_by("started_at", "pk"))
     latest = candidates.first()
@@ -92,7 +107,10 @@ def compare(request: HttpRequest) -> HttpResponse:
         return _start(request)
     filters = FilterForm(request.GET or None)
     candidates = _filtered(filters)
-    runs = _selected(request, candidates)
+    try:
+        runs = _selected(request, candidates)
+    except InvalidRequest as exc:
+        return HttpResponseBadRequest(str(exc), content_type="text/plain; charset=utf-8")
     batch = request.GET.get("batch") or ""
     planned = len(runs[0].parameters.get("strategies", [])) + 1 if runs else 0
     running = bool(batch) and (

@@ -143,3 +143,11 @@ def test_a_batch_delivered_again_is_not_run_again():
     settings = {"strategies": ["lua"], "stock": 5, "users": 2, "spawn_rate": 2, "duration": 3}
     assert run_load_batch_task.run(settings, "b-again") == ""
     assert SaleRun.objects.filter(batch="b-again").count() == 3
+
+
+@pytest.mark.parametrize("run", ["\u00b2", "\u0663", "1" * 19, "-1", "abc", "1\x00"])
+def test_a_run_id_that_is_not_one_is_a_clear_400(staff_client, run):
+    runs = _batch("only")
+    response = staff_client.get("/admin/compare/", {"run": [runs[0].pk, run]})
+    assert response.status_code == 400
+    assert "run must be a load run's id" in response.content.decode()
