@@ -1052,6 +1052,17 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: unknown strategies: {', '.join(unknown)}", file=sys.stderr)
         return 2
+    from loadtest import sandbox
+
+    if not sandbox.active():
+        # Its items and orders stay out of the shop's database: start again in the sandbox.
+        try:
+            sandbox.enter(
+                ["-m", "loadtest.bench_strategies", *(sys.argv[1:] if argv is None else argv)]
+            )
+        except sandbox.SandboxError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     problem = _check_database()
     if problem:
         print(f"error: {problem}", file=sys.stderr)

@@ -30,13 +30,14 @@ from __future__ import annotations
 import csv
 import math
 import os
+import re
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,18 @@ class LoadRunSettings:
         if self.host is not None and not self.host.startswith(("http://", "https://")):
             raise InvalidRequest("host: a URL such as http://127.0.0.1:8000")
 
+    def command_line(self) -> list[str]:
+        """The `manage.py loadtest` arguments that run these settings."""
+        if self.extra_env:
+            raise ValueError("extra_env has no command-line form")
+        arguments = ["--strategies", ",".join(self.strategies)]
+        for setting in fields(self):
+            value = getattr(self, setting.name)
+            if setting.name in ("strategies", "extra_env") or value in (None, setting.default):
+                continue
+            arguments += [f"--{setting.name.replace('_', '-')}", str(value)]
+        return arguments
+
     @property
     def warmup_seconds(self) -> float:
         """The trickle of early visitors before the sale opens and the crowd buys."""
@@ -196,6 +209,10 @@ class Batch:
 def sale_sku(strategy: str) -> str:
     """The item a load run of strategy sells (restarted by every run)."""
     return f"loadtest-{strategy}"
+
+
+#: What `new_batch_id` makes (and `manage.py loadtest --batch` takes).
+BATCH_ID = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{4}")
 
 
 def new_batch_id() -> str:

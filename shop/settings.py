@@ -76,6 +76,11 @@ DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 # queries never are. Turn off behind a pooler in transaction mode that cannot keep them.
 if env.bool("DJANGO_DB_PREPARED_STATEMENTS", default=True):
     DATABASES["default"].setdefault("OPTIONS", {})["prepare_threshold"] = 5
+# A load run's or benchmark's process sells in a database of its own and records its SaleRun
+# rows in the shop's, named here (loadtest.sandbox).
+if env.str("FLASHSALE_RUNS_DATABASE_URL", default=""):
+    DATABASES["runs"] = {**DATABASES["default"], **env.db("FLASHSALE_RUNS_DATABASE_URL")}
+    DATABASE_ROUTERS = ["loadtest.sandbox.RunsRouter"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [

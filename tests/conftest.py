@@ -38,6 +38,17 @@ def _isolated_redis_and_queue() -> Iterator[None]:
         client.delete(*keys)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _drop_load_run_database(django_db_setup, django_db_blocker) -> Iterator[None]:
+    """Load runs started by the tests sell in `<test database>_loadrun`: gone afterwards."""
+    yield
+    from loadtest.sandbox import database_name
+
+    with django_db_blocker.unblock(), connection.cursor() as cursor:
+        name = database_name(connection.settings_dict["NAME"])
+        cursor.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 @pytest.fixture
 def r() -> Iterator[redis.Redis]:
     """A plain client of the shared test Redis, for tests of `locking` alone."""

@@ -9,11 +9,14 @@ import subprocess
 import sys
 import uuid
 
+import psycopg
 import pytest
+from django.db import connection
 
-from inventory.models import SaleRun
+from inventory.models import Item, Order, SaleRun
 from inventory.services import start_sale
 from loadtest.runs import LOCUSTFILE
+from loadtest.sandbox import database_name
 from loadtest.server import PROJECT_DIR as ROOT
 from tests.conftest import server_env
 
@@ -109,3 +112,19 @@ def test_a_distributed_load_run_uses_several_locust_processes(tmp_path):
     lua = SaleRun.objects.get(batch=batch, strategy="lua")
     assert lua.status == SaleRun.Status.DONE
     assert lua.accepted_units == 20 and lua.oversold == 0 and lua.parameters["workers"] == 2
+    # It sold in the load-run database beside the shop's: the shop has its record, not its sale
+    assert "load-run sandbox: database " in result.stderr
+    assert not Item.objects.filter(sku=lua.sku).exists()
+    assert not Order.objects.filter(item__sku=lua.sku).exists()
+    sandbox_db = database_name(connection.settings_dict["NAME"])
+    with psycopg.connect(
+        server_env()["DATABASE_URL"].replace(
+            f"/{connection.settings_dict['NAME']}", f"/{sandbox_db}", 1
+        )
+    ) as other:
+        sold = other.execute(
+            "SELECT count(*), sum(o.qty) FROM inventory_order o"
+            " JOIN inventory_item i ON i.id = o.item_id WHERE i.sku = %s",
+            [lua.sku],
+        ).fetchone()
+    assert sold == (20, 20)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from inventory.exceptions import InvalidRequest
 from inventory.strategies import strategy_names
+from loadtest import sandbox
 from loadtest.report import BASELINE, stranded, table
-from loadtest.runs import UNSAFE, LoadRunSettings, run_batch
+from loadtest.runs import BATCH_ID, UNSAFE, LoadRunSettings, run_batch
 
 
 class Command(BaseCommand):
@@ -94,6 +97,15 @@ class Command(BaseCommand):
             "crowd arrives (default 1)",
         )
 
+        parser.add_argument(
+            "--no-sandbox",
+            action="store_true",
+            help="sell in the configured database itself, not in the load-run database beside "
+            "it (<name>_loadrun, see docs/load-runs.md)",
+        )
+        # The batch id, when the admin's load-run task has chosen it already.
+        parser.add_argument("--batch", default=None, help=argparse.SUPPRESS)
+
     def handle(self, *args: object, **options: object) -> None:
         config = LoadRunSettings(
             strategies=[name.strip() for name in options["strategies"].split(",") if name.strip()],
@@ -116,12 +128,25 @@ class Command(BaseCommand):
             config.validate()
         except InvalidRequest as error:
             raise CommandError(error.detail) from None
+        batch_id = options["batch"]
+        if batch_id is not None and not BATCH_ID.fullmatch(batch_id):
+            raise CommandError(f"--batch: not a batch id: {batch_id[:40]!r}")
+        if not (config.host or options["no_sandbox"] or sandbox.active()):
+            # A server started here sells in the sandbox: start again there.
+            if sys.argv[1:2] != ["loadtest"]:
+                raise CommandError(
+                    "called from code: pass no_sandbox=True (or run it as a command)"
+                )
+            try:
+                sandbox.enter([str(Path(settings.BASE_DIR) / "manage.py"), *sys.argv[1:]])
+            except sandbox.SandboxError as error:
+                raise CommandError(str(error)) from None
 
         def progress(line: str) -> None:
             self.stderr.write(line)
             self.stderr.flush()
 
-        batch = run_batch(config, progress=progress)
+        batch = run_batch(config, progress=progress, batch=batch_id)
         self.stdout.write("")
         self.stdout.write(table(batch.runs))
         self.stdout.write("")

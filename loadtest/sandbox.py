@@ -1,0 +1,111 @@
+"""Where load runs and benchmarks sell: a database, a Redis key prefix and a task queue of
+their own, beside the shop's.
+
+A load run leaves thousands of orders behind, and a benchmark its items: in the shop's
+database they would be listed on the storefront and keep the shop's sweeper publishing stale
+orders ahead of real ones. So `manage.py loadtest` (the demo, and the admin's load runs) and
+`python -m loadtest.bench_strategies` run in a sandbox:
+
+- database `<the shop's>_loadrun` on the same PostgreSQL, created and migrated on first use;
+- Redis keys under `<FLASHSALE_REDIS_PREFIX>-loadrun`, order tasks on `<queue>-loadrun` (a
+  load run's worker takes a queue of its batch's own, the benchmark one of its run's own);
+- only the SaleRun records, which the admin's compare page shows, go to the shop's database:
+  `FLASHSALE_RUNS_DATABASE_URL` names it and `RunsRouter` sends SaleRun there.
+
+A process enters the sandbox by starting again with the sandbox's environment (`enter`), so
+that everything it starts (gunicorn, the Celery worker, buyer processes) inherits it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from typing import NoReturn
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
+
+from django.conf import settings
+from django.db import DatabaseError, connection
+
+#: Set (to "1") in a sandboxed process's environment.
+MARK = "FLASHSALE_SANDBOX"
+SUFFIX = "_loadrun"
+#: PostgreSQL's longest identifier.
+NAME_LIMIT = 63
+RUNS_ALIAS = "runs"
+
+
+class SandboxError(Exception):
+    """The sandbox database could not be prepared; the message says why."""
+
+
+def active() -> bool:
+    return os.environ.get(MARK) == "1"
+
+
+def database_name(shop_name: str) -> str:
+    return shop_name[: NAME_LIMIT - len(SUFFIX)] + SUFFIX
+
+
+def environment(base: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a process in the sandbox of the shop `base` describes."""
+    url = base.get("DATABASE_URL", "")
+    parts = urlsplit(url)
+    shop_name = unquote(parts.path.lstrip("/"))
+    if not parts.scheme or not shop_name:
+        raise SandboxError(f"DATABASE_URL names no database to put a sandbox beside: {url!r}")
+    sandbox_url = urlunsplit(parts._replace(path="/" + quote(database_name(shop_name))))
+    return {
+        **base,
+        MARK: "1",
+        "DATABASE_URL": sandbox_url,
+        "FLASHSALE_RUNS_DATABASE_URL": url,
+        "FLASHSALE_REDIS_PREFIX": settings.FLASHSALE_REDIS_PREFIX + "-loadrun",
+        "FLASHSALE_TASK_QUEUE": settings.CELERY_TASK_DEFAULT_QUEUE + "-loadrun",
+    }
+
+
+def prepare(env: Mapping[str, str]) -> str:
+    """Create the sandbox database if missing and apply the migrations; return its name."""
+    name = unquote(urlsplit(env["DATABASE_URL"]).path.lstrip("/"))
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name])
+            if cursor.fetchone() is None:
+                cursor.execute(f'CREATE DATABASE "{name}"')
+    except DatabaseError as exc:
+        if "already exists" not in str(exc):  # another run created it a moment ago
+            raise SandboxError(f"cannot create the load-run database {name}: {exc}") from exc
+    migrate = subprocess.run(
+        [sys.executable, str(settings.BASE_DIR / "manage.py"), "migrate", "--noinput", "-v", "0"],
+        env=dict(env),
+        capture_output=True,
+        text=True,
+    )
+    if migrate.returncode != 0:
+        raise SandboxError(f"cannot migrate the load-run database {name}:\n{migrate.stderr}")
+    return name
+
+
+def enter(argv: Sequence[str]) -> NoReturn:
+    """Run `python argv...` again in the sandbox, in place of this process."""
+    env = environment(os.environ)
+    name = prepare(env)
+    print(
+        f"load-run sandbox: database {name}, Redis prefix {env['FLASHSALE_REDIS_PREFIX']}",
+        file=sys.stderr,
+        flush=True,
+    )
+    connection.close()
+    os.execve(sys.executable, [sys.executable, *argv], env)
+
+
+class RunsRouter:
+    """In a sandboxed process, SaleRun (the compare page's records) lives in the shop's
+    database, alias `runs`; everything else in the sandbox's."""
+
+    def db_for_read(self, model: type, **hints: object) -> str | None:
+        return RUNS_ALIAS if model._meta.label == "inventory.SaleRun" else None
+
+    db_for_write = db_for_read
