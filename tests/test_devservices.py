@@ -272,3 +272,48 @@ def test_postgres_that_cannot_start_is_reported_with_its_log(tmp_path):
     assert "last lines of" in err
     assert "flashsale_no_such_setting" in err  # postgres' own complaint, from its log
     assert not processes_mentioning(str(tmp_path))
+
+
+@pytest.mark.embedded_smoke
+def test_runners_share_one_redis_and_the_last_one_stops_it(data_dir):
+    # A holds the server while B comes and goes: B sees A's keys, A sees B's after B left.
+    hold = r"""
+import os, sys, redis
+client = redis.Redis.from_url(os.environ["REDIS_URL"])
+client.set("shared-by-a", "1")
+print("READY", os.getpid(), os.environ["REDIS_URL"].rsplit(":", 1)[1].split("/")[0], flush=True)
+sys.stdin.readline()
+print("A", client.get("shared-by-b").decode(), flush=True)
+"""
+    visit = r"""
+import os, redis
+client = redis.Redis.from_url(os.environ["REDIS_URL"])
+client.set("shared-by-b", "2")
+print("B", client.get("shared-by-a").decode(), flush=True)
+"""
+    env = runner_env(data_dir, DATABASE_URL="postgres://unused@127.0.0.1:1/unused")
+    first = start_runner(hold, env, stdin=subprocess.PIPE)
+    try:
+        line = first.stdout.readline()
+        assert line.startswith("READY "), line + first.stderr.read()
+        _, first_child, port = line.split()
+
+        code, out, err = finish(start_runner(visit, env))
+        assert code == 0, err
+        assert out.split() == ["B", "1"]
+        assert (
+            f"embedded Redis at redis://127.0.0.1:{port}/0, shared with the running server" in err
+        )
+        assert not port_refuses(int(port)), "the second runner's exit stopped the shared Redis"
+
+        first.stdin.write("go\n")
+        first.stdin.flush()
+        code, out, err = finish(first)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+    assert code == 0, err
+    assert out.split()[-2:] == ["A", "2"]
+    assert_all_gone(data_dir, int(first_child), int(port))
+    assert not (data_dir / "redis" / "server.json").exists()
