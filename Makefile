@@ -13,14 +13,17 @@ PORT ?= 8000
 WORKERS ?= 4
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
+STRATEGY ?= lua
+ADMIN_USER ?= admin
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test serve demo lint fmt clean chromium
+.PHONY: help venv test serve demo sale admin lint fmt clean chromium
 
 help: ## list the targets
 	@echo "flashsale make targets:"
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z]+:.*## / {printf "  %-9s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
-	@echo "Variables: PYTEST_ARGS, DEMO_ARGS, HOST/PORT/WORKERS (serve), PYTHON (bootstrap)."
+	@echo "Variables: PYTEST_ARGS, DEMO_ARGS, HOST/PORT/WORKERS (serve), SKU/STOCK/STRATEGY/LIMIT/PRICE/OPENS_IN (sale),"
+	@echo "  ADMIN_USER (admin), PYTHON (bootstrap)."
 	@echo "DATABASE_URL / REDIS_URL unset => embedded PostgreSQL / Redis with data in .data/."
 
 venv: $(STAMP) ## create .venv and install requirements.txt (done by every target)
@@ -44,6 +47,15 @@ serve: $(STAMP) ## migrate, then serve on HOST:PORT (127.0.0.1:8000) plus a Cele
 
 demo: $(STAMP) ## flood every strategy with Locust, print the comparison, write the report (DEMO_ARGS="--stock 500 ...")
 	$(RUN) sh -c '$(PY) manage.py migrate --noinput -v 0 && exec $(PY) manage.py loadtest $(DEMO_ARGS)'
+
+sale: $(STAMP) ## start a sale beside make serve: make sale SKU=phone STOCK=100 [STRATEGY=lua] [LIMIT=2] [PRICE=9.99]
+	@if [ -z "$(SKU)" ] || [ -z "$(STOCK)" ]; then \
+	  echo "usage: make sale SKU=phone STOCK=100 [STRATEGY=$(STRATEGY)] [LIMIT=2] [PRICE=9.99] [OPENS_IN=seconds]" >&2; exit 2; fi
+	$(RUN) sh -c '$(PY) manage.py migrate --noinput -v 0 && exec $(PY) manage.py sale start "$$0" --stock "$$1" --strategy "$$2" $${3:+--limit "$$3"} $${4:+--price "$$4"} $${5:+--opens-in "$$5"}' \
+	  "$(SKU)" "$(STOCK)" "$(STRATEGY)" "$(LIMIT)" "$(PRICE)" "$(OPENS_IN)"
+
+admin: $(STAMP) ## create a staff login for the local shop's /admin/ (ADMIN_USER=admin; asks for a password unless DJANGO_SUPERUSER_PASSWORD is set)
+	$(RUN) sh -c '$(PY) manage.py migrate --noinput -v 0 && exec $(PY) manage.py createsuperuser --username "$$0" --email "" $${DJANGO_SUPERUSER_PASSWORD:+--noinput}' "$(ADMIN_USER)"
 
 chromium: ## install Debian's chromium and chromium-driver for the browser tests (root only)
 	@if [ -x /usr/bin/chromium ]; then \

@@ -78,3 +78,11 @@ def test_beat_runs_the_sweeper_and_reconciler_tasks():
         "inventory.tasks.reconcile_sales_task",
     }
     assert scheduled <= set(app.tasks)
+
+
+def test_an_empty_shop_says_how_to_put_something_on_sale(client):
+    page = client.get("/").content.decode()
+    assert "Nothing is on sale" in page
+    assert "make sale SKU=phone STOCK=100 STRATEGY=lua" in page and "make admin" in page
+    start_sale(sku="phone", stock=3, strategy="lua")
+    assert "Nothing is on sale" not in client.get("/").content.decode()
