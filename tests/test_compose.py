@@ -189,8 +189,8 @@ def check_entry_points(command, commands: set[str]) -> set[str]:
 
 
 def test_services_exist_with_healthchecks(services):
-    assert {"postgres", "redis", "web", "worker"} <= set(services)
-    for name in ("postgres", "redis", "web", "worker"):
+    assert {"postgres", "redis", "rabbitmq", "proxy", "web", "worker"} <= set(services)
+    for name in ("postgres", "redis", "rabbitmq", "proxy", "web", "worker"):
         test = services[name].get("healthcheck", {}).get("test")
         assert test, f"{name} has no healthcheck"
     assert services["postgres"]["image"].startswith("postgres:16")
@@ -203,9 +203,9 @@ def test_services_exist_with_healthchecks(services):
 
 
 @pytest.mark.parametrize("name", ["web", "worker"])
-def test_app_services_wait_for_healthy_postgres_and_redis(services, name):
+def test_app_services_wait_for_healthy_postgres_redis_and_rabbitmq(services, name):
     depends = services[name]["depends_on"]
-    for dependency in ("postgres", "redis"):
+    for dependency in ("postgres", "redis", "rabbitmq"):
         assert depends[dependency]["condition"] == "service_healthy", (name, dependency)
 
 
@@ -218,6 +218,10 @@ def test_app_services_get_their_configuration_from_the_environment(services, nam
     assert str(env["DJANGO_DEBUG"]) in ("0", "False", "false")
     assert "@postgres:5432/" in env["DATABASE_URL"]
     assert env["REDIS_URL"].startswith("redis://redis:6379")
+    # RabbitMQ is the broker: a killed worker's tasks come back without waiting for a sweep
+    assert re.fullmatch(r"amqp://[^@]+@rabbitmq:5672/.*", env["CELERY_BROKER_URL"])
+    # no default secret: compose refuses to start without one (`${VAR:?message}`)
+    assert re.fullmatch(r"\$\{DJANGO_SECRET_KEY:\?[^}]+\}", env["DJANGO_SECRET_KEY"])
 
 
 def test_web_and_worker_share_one_image(services):
@@ -240,7 +244,30 @@ def test_web_migrates_then_serves_the_wsgi_app_on_8000(services):
     assert {"manage.py migrate", "gunicorn"} <= seen, seen
     steps = shell_commands(web["command"])
     assert any("0.0.0.0:8000" in argv for argv in steps), steps
-    assert any(str(port).split(":")[-1] == "8000" for port in web["ports"])
+    assert [str(port) for port in web["expose"]] == ["8000"]
+
+
+def test_only_nginx_is_published_and_it_buffers_requests_for_gunicorn(services):
+    # gunicorn's sync workers are never reachable by a slow client directly
+    published = {name for name, service in services.items() if service.get("ports")}
+    assert published == {"proxy"}, published
+    proxy = services["proxy"]
+    assert proxy["image"].startswith("nginx:")
+    assert [str(port) for port in proxy["ports"]] == ["8000:80"]
+    assert proxy["depends_on"]["web"]["condition"] == "service_healthy"
+    source, target = proxy["volumes"][0].split(":")[:2]
+    assert target == "/etc/nginx/conf.d/default.conf"
+    conf = (ROOT / source).read_text()
+    directives = dict(
+        line.strip().rstrip(";").split(None, 1)
+        for line in conf.splitlines()
+        if line.strip().endswith(";") and not line.strip().startswith("#")
+    )
+    assert directives["server"] == "web:8000" and directives["listen"] == "80"
+    assert directives["proxy_pass"] == "http://flashsale_web"
+    for timeout in ("client_header_timeout", "client_body_timeout", "send_timeout"):
+        assert int(directives[timeout].rstrip("s")) <= 30, (timeout, directives[timeout])
+    assert directives["proxy_request_buffering"] == directives["proxy_buffering"] == "on"
 
 
 def test_beat_runs_the_celery_app_from_the_same_image(services):

@@ -4,6 +4,7 @@ order is settled exactly once, through worker crashes, a broker outage and decli
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import uuid
@@ -105,6 +106,51 @@ def test_a_killed_worker_loses_nothing_and_pays_nothing_twice(shop_server, setti
     assert _statuses(sku) == {OrderStatus.CONFIRMED: 200}
     assert _payments_per_order(sku) == {1}
     assert PaymentAttempt.objects.filter(order__item__sku=sku).count() == 200
+
+
+RABBITMQ_URL = os.environ.get("FLASHSALE_TEST_RABBITMQ_URL", "")
+
+
+@pytest.mark.skipif(not RABBITMQ_URL, reason="FLASHSALE_TEST_RABBITMQ_URL names no RabbitMQ")
+def test_on_rabbitmq_a_killed_workers_orders_come_back_without_the_sweeper():
+    # RabbitMQ, compose's broker, hands a dead consumer's unacknowledged tasks to the next one
+    # at once: no visibility timeout, no sweeper.
+    broker = {"CELERY_BROKER_URL": RABBITMQ_URL}
+    sku = f"rabbit-{uuid.uuid4().hex[:6]}"
+    start_sale(sku=sku, stock=120, strategy="lua")
+    server = start_shop(**broker)
+    try:
+        result = flood(server.url, sku, attempts=120, concurrency=12)
+    finally:
+        server.stop()
+    assert result.accepted == 120 and result.server_errors == 0
+
+    try:
+        first = start_worker(concurrency=4, FLASHSALE_PAYMENT_LATENCY_MS=40, **broker)
+        try:
+            assert wait_until(
+                lambda: (
+                    Order.objects.filter(item__sku=sku, status=OrderStatus.CONFIRMED).count() >= 20
+                ),
+                timeout=60,
+            )
+        finally:
+            first.kill()
+        assert not _all_settled(sku)
+
+        second = start_worker(concurrency=4, FLASHSALE_PAYMENT_LATENCY_MS=5, **broker)
+        try:
+            assert wait_until(lambda: _all_settled(sku), timeout=90, interval=0.5), _statuses(sku)
+        finally:
+            second.stop()
+    finally:
+        from kombu import Connection
+
+        with Connection(RABBITMQ_URL, connect_timeout=5) as connection:
+            connection.default_channel.queue_delete(server_env()["FLASHSALE_TASK_QUEUE"])
+
+    assert _statuses(sku) == {OrderStatus.CONFIRMED: 120}
+    assert _payments_per_order(sku) == {1}
 
 
 def test_checkout_goes_on_while_the_broker_is_down_and_the_sweeper_catches_up():
