@@ -272,6 +272,7 @@ class SaleRun(models.Model):
 
     class Meta:
         ordering = ["-started_at", "-pk"]
+        permissions = [("start_load_run", "Can start a load run from the compare page")]
 
     def __str__(self) -> str:
         return f"{self.strategy} run {self.pk} ({self.batch})"

@@ -4,13 +4,16 @@ starts a new batch on a Celery worker."""
 from __future__ import annotations
 
 import re
+from datetime import timedelta
 
 from django import forms
 from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.shortcuts import redirect
 from django.template.response import TemplateResponse
 from django.urls import reverse
+from django.utils import timezone
 
 from inventory.exceptions import InvalidRequest
 from inventory.models import SaleRun
@@ -20,6 +23,13 @@ from .report import COLUMNS, LEGEND, cell, charts, notes
 from .runs import BASELINE, LoadRunSettings, new_batch_id
 
 RECENT_RUNS = 60
+#: The largest crowd the page starts (the command takes up to 10,000).
+MAX_PAGE_USERS = 500
+#: Who may start a load run from the page (staff see the comparison; this starts load).
+START_PERMISSION = "inventory.start_load_run"
+#: A batch whose runs are still `running` after this long is taken for dead (a worker killed
+#: mid-batch) and no longer blocks a new one.
+STALE_BATCH = timedelta(hours=1)
 
 
 class StartRunForm(forms.Form):
@@ -30,18 +40,20 @@ class StartRunForm(forms.Form):
     )
     stock = forms.IntegerField(
         min_value=1,
-        max_value=10**7,
+        max_value=100_000,
         required=False,
         help_text="Blank: sized by a probe, so that each sale sells through the window.",
     )
-    users = forms.IntegerField(min_value=1, max_value=10_000, initial=40)
-    spawn_rate = forms.FloatField(min_value=0.1, max_value=10_000, initial=100)
+    # Bounded well below what the command allows: a load run from a browser is a few minutes
+    # of load on the shop's own machine, not a soak.
+    users = forms.IntegerField(min_value=1, max_value=MAX_PAGE_USERS, initial=40)
+    spawn_rate = forms.FloatField(min_value=0.1, max_value=1_000, initial=100)
     window = forms.FloatField(
-        min_value=1, max_value=600, required=False, initial=10.0, label="Window (s)"
+        min_value=1, max_value=60, required=False, initial=10.0, label="Window (s)"
     )
     duration = forms.IntegerField(
         min_value=3,
-        max_value=3600,
+        max_value=300,
         required=False,
         label="At most (s)",
         help_text="Per sale, from its opening; blank: twice what a sized stock lasts.",
@@ -129,7 +141,7 @@ def compare(request: HttpRequest) -> HttpResponse:
         "candidates": candidates[:RECENT_RUNS],
         "chosen": {run.pk for run in runs},
         "filters": filters,
-        "start_form": StartRunForm(),
+        "start_form": StartRunForm() if request.user.has_perm(START_PERMISSION) else None,
         "watching": batch,
         "running": running,
         "planned": planned,
@@ -140,6 +152,14 @@ def compare(request: HttpRequest) -> HttpResponse:
 def _start(request: HttpRequest) -> HttpResponse:
     from .tasks import run_load_batch_task
 
+    if not request.user.has_perm(START_PERMISSION):
+        raise PermissionDenied("starting a load run needs the permission 'start load run'")
+    busy = SaleRun.objects.filter(
+        status=SaleRun.Status.RUNNING, started_at__gte=timezone.now() - STALE_BATCH
+    ).first()
+    if busy is not None:
+        messages.error(request, f"Not started: batch {busy.batch} is still running.")
+        return redirect(f"{reverse('admin-compare')}?batch={busy.batch}")
     form = StartRunForm(request.POST)
     if not form.is_valid():
         messages.error(request, f"Not started: {form.errors.as_text()}")

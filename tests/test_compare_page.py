@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from django.contrib.auth.models import User
+from django.contrib.auth.models import Permission, User
 from django.test import Client
 
 from inventory.models import SaleRun
@@ -54,12 +54,50 @@ def _batch(batch: str) -> list[SaleRun]:
     ]
 
 
+def _login(username: str, *, may_start: bool) -> Client:
+    user = User.objects.create_user(username, password="pw-for-tests-only", is_staff=True)
+    if may_start:
+        user.user_permissions.add(Permission.objects.get(codename="start_load_run"))
+    client = Client()
+    client.login(username=username, password="pw-for-tests-only")
+    return client
+
+
 @pytest.fixture
 def staff_client():
-    User.objects.create_user("boss", password="pw-for-tests-only", is_staff=True)
-    client = Client()
-    client.login(username="boss", password="pw-for-tests-only")
-    return client
+    return _login("boss", may_start=True)
+
+
+def test_staff_without_the_permission_compare_runs_but_start_none():
+    _batch("seen")
+    viewer = _login("viewer", may_start=False)
+    page = viewer.get("/admin/compare/").content.decode()
+    assert page.count('role="img"') == 5 and 'aria-label="Start a load run"' not in page
+    assert "Can start a load run from the compare page" in page
+    response = viewer.post("/admin/compare/", {"strategies": ["lua"], "users": 5, "spawn_rate": 5})
+    assert response.status_code == 403
+    assert SaleRun.objects.exclude(batch="seen").count() == 0
+
+
+@pytest.mark.parametrize(
+    "field",
+    [{"users": 501}, {"spawn_rate": 1001}, {"window": 61}, {"duration": 301}, {"stock": 100_001}],
+)
+def test_the_page_starts_only_bounded_runs(staff_client, field):
+    start = {"strategies": ["lua"], "users": 5, "spawn_rate": 5, **field}
+    response = staff_client.post("/admin/compare/", start, follow=True)
+    assert "Not started" in response.content.decode()
+    assert SaleRun.objects.count() == 0
+
+
+def test_one_batch_at_a_time(staff_client):
+    running = _batch("busy")
+    SaleRun.objects.filter(pk=running[0].pk).update(status=SaleRun.Status.RUNNING)
+    response = staff_client.post(
+        "/admin/compare/", {"strategies": ["lua"], "users": 5, "spawn_rate": 5}, follow=True
+    )
+    assert "Not started: batch busy is still running" in response.content.decode()
+    assert SaleRun.objects.exclude(batch="busy").count() == 0
 
 
 def test_anyone_but_staff_is_sent_to_the_login_page():
