@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
+from django.db import connection
 from django.db.models import Count, QuerySet, Sum
 
 from .breaker import breaker
@@ -12,6 +14,14 @@ from .models import LIVE_STATUSES, SKU_PATTERN, Item, Order, OrderStatus
 from .redis_client import REDIS_DOWN_ERRORS, get_redis_client
 from .stock import shard_stocks
 from .strategies import get_strategy
+
+
+def database_now() -> datetime:
+    """The database's clock: the one every web host and command agrees on (a sale opens by it,
+    whatever the clock of the host that started it or of the one serving a checkout)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement_timestamp()")
+        return cursor.fetchone()[0]
 
 
 def get_item(sku: str) -> Item:

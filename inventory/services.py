@@ -11,7 +11,6 @@ from decimal import Decimal
 
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
-from django.utils import timezone
 
 from . import stock
 from .exceptions import (
@@ -26,6 +25,7 @@ from .exceptions import (
 from .models import Item, Order, Sale, StockShard
 from .orders import order_placed
 from .redis_client import REDIS_DOWN_ERRORS, get_redis_client, redis_key
+from .selectors import database_now
 from .stock import split_stock
 from .strategies import get_strategy, strategy_names
 
@@ -95,11 +95,11 @@ def _sell_once(
     found = checkout_item(sku) if fresh else _remembered_item(sku)
     if found is None:
         raise UnknownSku(sku)
-    item, opens_at = found
-    if item.current_sale_id is None:
+    item, opening = found
+    if item.current_sale_id is None or opening is None:
         raise NotOnSale(sku)
-    if opens_at > timezone.now():
-        raise NotStarted(sku, opens_at)
+    if opening.opens_after > time.monotonic():
+        raise NotStarted(sku, opening.opens_at)
     limit = item.per_buyer_limit
     if limit is not None and qty > limit:
         raise LimitReached(sku=sku, limit=limit)
@@ -121,12 +121,22 @@ def _sell_once(
         raise
 
 
+@dataclass(frozen=True)
+class Opening:
+    """When an item's sale opens: `opens_at`, and the moment of this host's monotonic clock at
+    which the database's clock reaches it (no host's own clock decides, so every web host
+    opens the sale together, whatever their clocks say)."""
+
+    opens_at: datetime
+    opens_after: float
+
+
 #: sku -> (monotonic expiry, item, its sale's opening): items whose strategy may sell from an
 #: item read a moment ago (`StockStrategy.item_may_be_remembered`).
-_remembered: dict[str, tuple[float, Item, datetime | None]] = {}
+_remembered: dict[str, tuple[float, Item, Opening | None]] = {}
 
 
-def _remembered_item(sku: str) -> tuple[Item, datetime | None] | None:
+def _remembered_item(sku: str) -> tuple[Item, Opening | None] | None:
     """checkout_item(sku), or the same read made less than FLASHSALE_ITEM_MEMORY_MS ago.
 
     Only for an item whose strategy decides from state kept per sale (Redis counters of the
@@ -186,23 +196,32 @@ _CHECKOUT_COLUMNS = (
 )
 
 
-def checkout_item(sku: str) -> tuple[Item, datetime | None] | None:
-    """The item sold as sku and its sale's opening time, or None when there is no such item.
+def checkout_item(sku: str) -> tuple[Item, Opening | None] | None:
+    """The item sold as sku and its sale's opening (None without a sale), or None when there
+    is no such item.
 
     One hand-written, prepared query: this runs for every checkout, where the ORM's query
-    building would cost more than the database does.
+    building would cost more than the database does. It also reads how far the opening is
+    by the database's clock.
     """
     columns = ", ".join(f"i.{column}" for column in _CHECKOUT_COLUMNS)
     with stock.prepared_cursor() as cursor:
         cursor.execute(
-            f"SELECT {columns}, s.opens_at FROM {Item._meta.db_table} i"
+            f"SELECT {columns}, s.opens_at,"
+            " EXTRACT(EPOCH FROM s.opens_at - statement_timestamp())::float8"
+            f" FROM {Item._meta.db_table} i"
             f" LEFT JOIN {Sale._meta.db_table} s ON s.id = i.current_sale_id WHERE i.sku = %s",
             [sku],
         )
         row = cursor.fetchone()
+        read_at = time.monotonic()
     if row is None:
         return None
-    return Item.from_db(connection.alias, _CHECKOUT_COLUMNS, row[:-1]), row[-1]
+    item = Item.from_db(connection.alias, _CHECKOUT_COLUMNS, row[:-2])
+    opens_at, seconds = row[-2:]
+    if opens_at is None:
+        return item, None
+    return item, Opening(opens_at=opens_at, opens_after=read_at + seconds)
 
 
 def _violated_constraint(exc: IntegrityError) -> str | None:
@@ -247,7 +266,7 @@ def start_sale(
         initial_stock=stock,
         strategy=strategy,
         per_buyer_limit=limit,
-        opens_at=timezone.now() + timedelta(seconds=opens_in),
+        opens_at=database_now() + timedelta(seconds=opens_in),
     )
     item.stock = stock
     item.version += 1

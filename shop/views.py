@@ -12,7 +12,6 @@ from django.conf import settings
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.templatetags.static import static
-from django.utils import timezone
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_http_methods
 
@@ -27,7 +26,8 @@ FINAL_STATUSES = (OrderStatus.CONFIRMED, OrderStatus.FAILED, OrderStatus.EXPIRED
 @require_GET
 def item_list(request: HttpRequest) -> HttpResponse:
     items = selectors.items_on_sale()
-    return render(request, "shop/item_list.html", {"items": items, "now": timezone.now()})
+    now = selectors.database_now()  # the clock sales open by; the page's script corrects for
+    return render(request, "shop/item_list.html", {"items": items, "now": now})
 
 
 def _buyer_name(request: HttpRequest) -> str:
@@ -98,6 +98,7 @@ def item_page(request: HttpRequest, sku: str) -> HttpResponse:
     limit_left = None if limit is None else max(0, limit - held)
     max_qty = settings.FLASHSALE_MAX_QTY if limit_left is None else max(1, limit_left)
     sale = item.current_sale
+    now = selectors.database_now()
     context = {
         "item": item,
         "sale": sale,
@@ -108,8 +109,8 @@ def item_page(request: HttpRequest, sku: str) -> HttpResponse:
         "held": held,
         "limit_left": limit_left,
         "limit_reached": isinstance(error, LimitReached) or limit_left == 0,
-        "not_started": sale is not None and sale.opens_at > timezone.now(),
-        "now": timezone.now(),
+        "not_started": sale is not None and sale.opens_at > now,
+        "now": now,
         "idempotency_key": uuid.uuid4().hex,
         "max_qty": max_qty,
     }

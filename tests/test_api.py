@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from threading import Barrier
 
 import pytest
 from django.core.management import call_command
 from django.db import connection
 from django.test import Client
+from django.utils import timezone
 
 from inventory.models import Item, Order
 from inventory.services import start_sale
@@ -298,6 +301,31 @@ def test_healthz_reports_redis_down(client, settings):
     state = client.get("/healthz").json()
     assert state["database"] == "ok" and state["redis"].startswith("down")
     assert state["fallback_active"] is True
+
+
+@pytest.mark.parametrize("strategy", ["lua", "lock"])
+def test_a_sale_opens_by_the_database_clock_whatever_the_hosts_clocks_say(
+    client, monkeypatch, strategy
+):
+    # The host starting the sale runs an hour fast; the one serving checkouts an hour slow.
+    real_now = timezone.now
+    monkeypatch.setattr(timezone, "now", lambda: real_now() + timedelta(hours=1))
+    start_sale(sku="widget", stock=5, strategy=strategy, opens_in=1)
+    monkeypatch.setattr(timezone, "now", lambda: real_now() - timedelta(hours=1))
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement_timestamp()")
+        database_now = cursor.fetchone()[0]
+    opens_at = Item.objects.get(sku="widget").current_sale.opens_at
+    assert timedelta(seconds=0.5) < opens_at - database_now <= timedelta(seconds=1)
+
+    # Before the database's clock reaches the opening: refused; after: sold, on every host
+    assert _checkout(client, sku="widget", qty=1, buyer="ann").json()["error"] == "not_started"
+    time.sleep(1.1)
+    assert _checkout(client, sku="widget", qty=1, buyer="ann").status_code == 201
+    # and the pages judge it by the same clock (and give it to the page's script)
+    assert 'data-phase="on_sale"' in client.get("/items/widget/").content.decode()
+    start_sale(sku="later", stock=5, strategy=strategy, opens_in=600)
+    assert 'data-phase="not_started"' in client.get("/items/later/").content.decode()
 
 
 def test_checkout_before_the_sale_opens_is_refused(client):
