@@ -482,3 +482,15 @@ def test_staff_compare_two_recorded_runs_side_by_side(shop_server, page):
     expect(page.locator("svg[role=img]")).to_have_count(5)
     expect(page.get_by_role("img", name="Units sold over time (s)")).to_be_visible()
     screenshot(page, "17-admin-compare")
+
+    # and on a narrower screen the table scrolls inside the page; the page itself does not
+    page.set_viewport_size({"width": 1000, "height": 800})
+    widths = page.evaluate(
+        "() => ({page: document.documentElement.scrollWidth,"
+        " view: document.documentElement.clientWidth,"
+        " box: document.querySelector('.table-scroll').clientWidth,"
+        " table: document.querySelector('#runs').scrollWidth})"
+    )
+    assert widths["page"] <= widths["view"], widths
+    assert widths["table"] > widths["box"], widths  # the table is the one that scrolls
+    screenshot(page, "18-admin-compare-narrow")
