@@ -116,6 +116,8 @@ class StockShard(models.Model):
     index = models.PositiveSmallIntegerField()
     stock = models.IntegerField(default=0)
     version = models.BigIntegerField(default=0)
+    #: Units ever put in this row: its share of the sale's initial stock, plus restocks.
+    supplied = models.PositiveIntegerField(default=0)
 
     class Meta:
         ordering = ["sale", "index"]
@@ -133,6 +135,9 @@ class Sale(models.Model):
 
     item = models.ForeignKey(Item, on_delete=models.CASCADE, related_name="sales")
     initial_stock = models.PositiveIntegerField()
+    added_stock = models.PositiveIntegerField(
+        default=0, help_text="Units added to the running sale by `sale restock`."
+    )
     strategy = models.CharField(max_length=16, choices=Strategy.choices)
     per_buyer_limit = models.PositiveIntegerField(null=True, blank=True)
     started_at = models.DateTimeField(auto_now_add=True)
@@ -145,7 +150,12 @@ class Sale(models.Model):
         get_latest_by = ["started_at", "pk"]
 
     def __str__(self) -> str:
-        return f"{self.item.sku} x{self.initial_stock} ({self.strategy})"
+        return f"{self.item.sku} x{self.supply} ({self.strategy})"
+
+    @property
+    def supply(self) -> int:
+        """Every unit the sale has had to sell: its initial stock and its restocks."""
+        return self.initial_stock + self.added_stock
 
 
 class OrderStatus(models.TextChoices):

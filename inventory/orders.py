@@ -30,7 +30,7 @@ from kombu.exceptions import KombuError
 
 from . import stock
 from .breaker import broker_breaker
-from .models import LIVE_STATUSES, Item, Order, OrderStatus, PaymentAttempt
+from .models import LIVE_STATUSES, Item, Order, OrderStatus, PaymentAttempt, StockShard
 from .redis_client import REDIS_DOWN_ERRORS
 from .strategies import get_strategy
 
@@ -290,12 +290,14 @@ def reconcile_sale(sku: str) -> list[str]:
             return changes  # restarted meanwhile: the new sale is reconciled on the next pass
         live = Order.objects.filter(sale=sale, status__in=LIVE_STATUSES)
         accepted = live.aggregate(units=Sum("qty"))["units"] or 0
-        expected = sale.initial_stock - accepted
+        expected = sale.supply - accepted
         if expected < 0:
             changes.append(f"{sku}: oversold by {-expected} units; nothing to repair it with")
             return changes
         if item.shard_count:
-            expected_rows = dict(enumerate(stock.split_stock(sale.initial_stock, item.shard_count)))
+            expected_rows = dict(
+                StockShard.objects.filter(sale=sale).values_list("index", "supplied")
+            )
             for shard_units in live.exclude(shard_units=None).values_list("shard_units", flat=True):
                 for index, units in shard_units.items():
                     expected_rows[int(index)] -= units

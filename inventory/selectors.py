@@ -110,7 +110,7 @@ def audit_sale(sku: str) -> dict[str, Any]:
         for row in orders.values("status").annotate(orders=Count("pk"), units=Sum("qty"))
     }
     accepted = sum(units for status, (_, units) in by_status.items() if status in LIVE_STATUSES)
-    initial = sale.initial_stock
+    supply = sale.supply
     shards = shard_stocks(sale.pk) if item.shard_count else None
     db_stock = sum(shards.values()) if shards is not None else item.stock
     redis_stock = redis_stock_of(item)
@@ -118,18 +118,19 @@ def audit_sale(sku: str) -> dict[str, Any]:
     return {
         "sku": item.sku,
         "strategy": item.strategy,
-        "initial_stock": initial,
+        "initial_stock": sale.initial_stock,
+        "added_stock": sale.added_stock,
         "accepted_units": accepted,
         "accepted_orders": sum(
             count for status, (count, _) in by_status.items() if status in LIVE_STATUSES
         ),
-        "oversold": max(0, accepted - initial),
-        "remaining": max(0, initial - accepted),
+        "oversold": max(0, accepted - supply),
+        "remaining": max(0, supply - accepted),
         "db_stock": db_stock,
         "redis_stock": redis_stock,
         "shard_stock": db_stock if shards is not None else None,
         "stock_rows": shards,
-        "consistent": db_stock == initial - accepted
+        "consistent": db_stock == supply - accepted
         and (not counts_in_redis or redis_stock == db_stock),
         "fallback_orders": orders.filter(fallback=True).count(),
         "orders_by_status": {status: by_status.get(status, (0, 0))[0] for status in OrderStatus},

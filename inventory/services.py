@@ -11,6 +11,7 @@ from decimal import Decimal
 
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
+from django.db.models import F
 
 from . import stock
 from .exceptions import (
@@ -284,7 +285,7 @@ def start_sale(
     item.save(update_fields=fields)
     if item.shard_count:
         StockShard.objects.bulk_create(
-            StockShard(item=item, sale=sale, index=index, stock=units)
+            StockShard(item=item, sale=sale, index=index, stock=units, supplied=units)
             for index, units in enumerate(split_stock(stock, item.shard_count))
         )
     # This process forgets its read of the item at once and again once committed; other
@@ -293,6 +294,65 @@ def start_sale(
     transaction.on_commit(lambda: forget_item(sku))
     transaction.on_commit(lambda: warm_redis(item))
     return sale
+
+
+#: The most units one restock adds.
+MAX_RESTOCK = 10**9
+
+
+def restock(*, sku: str, units: int) -> Sale:
+    """Add units to sku's running sale, safely under traffic; return the sale.
+
+    The units go to the item row, or are spread over the sale's stock rows, in one transaction
+    that locks what it writes in the order every writer does (the stock rows in index order,
+    then the item row), so it waits for in-flight sales rather than racing them. Redis hears
+    of the units after the commit, by increments (never a SET that could undo a take in
+    flight): until then, or if Redis misses them, it only holds fewer units than the
+    database, which sells fewer, never too many (the reconciler catches it up).
+
+    Raises UnknownSku, NotOnSale, InvalidRequest (units not from 1 to MAX_RESTOCK), or Busy
+    when the sale was restarted meanwhile; nothing is written then.
+    """
+    if isinstance(units, bool) or not isinstance(units, int) or not 1 <= units <= MAX_RESTOCK:
+        raise InvalidRequest(f"units to add: a whole number from 1 to {MAX_RESTOCK}")
+    with transaction.atomic():
+        item = Item.objects.filter(sku=sku).first()
+        if item is None:
+            raise UnknownSku(sku)
+        if item.current_sale_id is None:
+            raise NotOnSale(sku)
+        sale_id = item.current_sale_id
+        added_rows: dict[int, int] = {}
+        if item.shard_count:
+            stock.shard_stocks(sale_id, for_update=True)
+            shares = split_stock(units, item.shard_count)
+            added_rows = {index: share for index, share in enumerate(shares) if share}
+            for index, share in added_rows.items():
+                StockShard.objects.filter(sale_id=sale_id, index=index).update(
+                    stock=F("stock") + share,
+                    supplied=F("supplied") + share,
+                    version=F("version") + 1,
+                )
+        current = Item.objects.select_for_update(no_key=True).filter(
+            pk=item.pk, current_sale_id=sale_id
+        )
+        if not current.exists():
+            raise Busy(f"{sku}: its sale was restarted during the restock")
+        if not item.shard_count:
+            current.update(stock=F("stock") + units, version=F("version") + 1)
+        Sale.objects.filter(pk=sale_id).update(added_stock=F("added_stock") + units)
+        strategy = get_strategy(item.strategy)
+        transaction.on_commit(lambda: _tell_redis(strategy, item, units, added_rows))
+    return Sale.objects.select_related("item").get(pk=sale_id)
+
+
+def _tell_redis(strategy, item: Item, units: int, added_rows: dict[int, int]) -> None:
+    try:
+        strategy.add_units(item=item, units=units, rows=added_rows)
+    except REDIS_DOWN_ERRORS as exc:
+        logger.warning(
+            "%s: Redis missed a restock of %s units (%s): reconcile", item.sku, units, exc
+        )
 
 
 def _validate_sale(

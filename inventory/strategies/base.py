@@ -97,6 +97,11 @@ class StockStrategy(ABC):
         order (a redelivered task does), adding the units at most once.
         """
 
+    def add_units(self, *, item: Item, units: int, rows: dict[int, int]) -> None:  # noqa: B027
+        """Tell this strategy's Redis state of units a restock added (`units` to the item row,
+        or `rows`: units per stock row), after the database has them. Only ever raise it by
+        increments: a checkout may be taking units at the same moment."""
+
     def redis_stock(self, *, item: Item) -> int | None:
         """Units Redis believes are left, or None when the strategy keeps no count in Redis."""
         return None

@@ -45,5 +45,8 @@ class RedisWithFallback(StockStrategy):
     def return_units(self, *, item: Item, order: Order) -> None:
         self.primary.return_units(item=item, order=order)
 
+    def add_units(self, *, item: Item, units: int, rows: dict[int, int]) -> None:
+        self.primary.add_units(item=item, units=units, rows=rows)
+
     def redis_stock(self, *, item: Item) -> int | None:
         return self.primary.redis_stock(item=item)

@@ -43,6 +43,7 @@ from ..redis_client import REDIS_DOWN_ERRORS, get_redis_client
 from ..stock import HalfDone, Sold, back_off, plan_rows, shard_stocks, simulate_work
 from . import rows
 from .base import Allocation, RecordOrder, StockStrategy
+from .rows import add_to_rows
 
 logger = logging.getLogger(__name__)
 
@@ -277,6 +278,9 @@ class LuaStrategy(StockStrategy):
 
     def return_units(self, *, item: Item, order: Order) -> None:
         rows.give_back_rows(item, order)
+
+    def add_units(self, *, item: Item, units: int, rows: dict[int, int]) -> None:
+        add_to_rows(item, rows)
 
     def redis_stock(self, *, item: Item) -> int | None:
         return rows.rows_total(item)

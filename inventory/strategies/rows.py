@@ -81,6 +81,14 @@ def sync_rows(item: Item) -> list[int]:
     return write_rows(item, shard_stocks(item.current_sale_id))
 
 
+def add_to_rows(item: Item, units: dict[int, int]) -> None:
+    """Raise the counters of the rows in `units` by that many (a restock; missing counters stay
+    missing: they are seeded from the database, which has the units already)."""
+    amounts = {row_key(item, index): added for index, added in units.items() if added}
+    if amounts:
+        counter().give_back_many(amounts)
+
+
 def give_back_rows(item: Item, order: Order) -> None:
     """Add a failed or expired order's units back to the counters it took them from, once."""
     amounts = {

@@ -45,6 +45,7 @@ from .lock import (
     release_quietly,
     remember_unsettled,
 )
+from .rows import add_to_rows
 
 logger = logging.getLogger(__name__)
 
@@ -224,6 +225,9 @@ class SegmentedStrategy(StockStrategy):
 
     def return_units(self, *, item: Item, order: Order) -> None:
         rows.give_back_rows(item, order)
+
+    def add_units(self, *, item: Item, units: int, rows: dict[int, int]) -> None:
+        add_to_rows(item, rows)
 
     def redis_stock(self, *, item: Item) -> int | None:
         return rows.rows_total(item)

@@ -1,4 +1,4 @@
-"""`manage.py sale start|audit`: run a sale and check its invariants."""
+"""`manage.py sale start|restock|audit|reconcile`: run a sale and check its invariants."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         actions = parser.add_subparsers(
-            dest="action", required=True, metavar="{start,audit,reconcile}"
+            dest="action", required=True, metavar="{start,restock,audit,reconcile}"
         )
         start = actions.add_parser(
             "start",
@@ -44,6 +44,13 @@ class Command(BaseCommand):
             metavar="SECONDS",
             help="open checkout this many seconds from now (default: at once)",
         )
+        restock = actions.add_parser(
+            "restock",
+            help="Add units to SKU's running sale, safely while it sells (Redis hears of them "
+            "once the database has them).",
+        )
+        restock.add_argument("sku")
+        restock.add_argument("--add", type=int, required=True, metavar="N", help="units to add")
         audit = actions.add_parser("audit", help="Check SKU's invariants after a sale.")
         audit.add_argument("sku")
         audit.add_argument("--json", action="store_true", help="print one JSON object")
@@ -57,6 +64,8 @@ class Command(BaseCommand):
         try:
             if options["action"] == "start":
                 self._start(options)
+            elif options["action"] == "restock":
+                self._restock(options)
             elif options["action"] == "audit":
                 self._audit(options)
             else:
@@ -78,6 +87,13 @@ class Command(BaseCommand):
         self.stdout.write(
             f"sale {sale.pk} of {sale.item.sku} started: {sale.initial_stock} units through "
             f"{sale.strategy}{limit}"
+        )
+
+    def _restock(self, options: dict) -> None:
+        sale = services.restock(sku=options["sku"], units=options["add"])
+        self.stdout.write(
+            f"sale {sale.pk} of {sale.item.sku}: {options['add']} units added "
+            f"({sale.initial_stock} at the start, {sale.supply} in all)"
         )
 
     def _reconcile(self, options: dict) -> None:
