@@ -103,6 +103,7 @@ class SaleAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
         "pk",
         "item",
         "initial_stock",
+        "added_stock",
         "strategy_name",
         "per_buyer_limit",
         "started_at",
