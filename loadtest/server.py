@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -39,6 +40,9 @@ class ShopServer:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {**os.environ, **(env or {})}
+        if not self.env.get("DJANGO_SECRET_KEY"):
+            # A load run's own server: its sessions live as long as it does.
+            self.env["DJANGO_SECRET_KEY"] = secrets.token_urlsafe(50)
         self.workers = workers
         self.log_path = log_path
         self.preload = preload

@@ -16,6 +16,9 @@ Runs CMD with DATABASE_URL and REDIS_URL set:
 
 When both are set, nothing is started and CMD simply replaces this process.
 
+DJANGO_SECRET_KEY unset: CMD gets the checkout's own key, made on first use and kept in
+.data/secret_key (the web app refuses to serve without one).
+
 SIGINT/SIGTERM/SIGHUP sent to the runner are forwarded to CMD (a Ctrl-C typed at the terminal
 already reaches CMD directly and is not sent twice). When CMD exits, what was started is
 stopped and the runner exits with CMD's exit code (128+N if CMD died of signal N).
@@ -530,6 +533,25 @@ class Runner:
             kill_at = self._escalate_if_overdue(child, kill_at)
 
 
+def local_secret_key() -> str:
+    """The Django secret key of this checkout's local runs: made on first use, kept in
+    .data/secret_key (readable by its owner only), so that sessions survive a restart."""
+    path = data_dir() / "secret_key"
+    try:
+        key = path.read_text().strip()
+    except FileNotFoundError:
+        key = ""
+    if not key:
+        import secrets
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        key = secrets.token_urlsafe(50)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(key + "\n")
+    return key
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in ("-h", "--help"):
@@ -540,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args:
         print("usage: python -m shop.devservices [--] CMD [ARGS...]", file=sys.stderr)
         return 2
+    if not os.environ.get("DJANGO_SECRET_KEY"):
+        os.environ["DJANGO_SECRET_KEY"] = local_secret_key()
     want_postgres = not os.environ.get("DATABASE_URL")
     want_redis = not os.environ.get("REDIS_URL")
     if not (want_postgres or want_redis):

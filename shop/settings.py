@@ -6,6 +6,7 @@ FLASHSALE_* knobs below. `make test|serve|demo` start embedded PostgreSQL and Re
 two are unset.
 """
 
+import secrets
 from pathlib import Path
 
 import environ
@@ -15,12 +16,32 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 
 env = environ.Env()
 
-SECRET_KEY = env.str("DJANGO_SECRET_KEY", default="flashsale-insecure-development-key")
 DEBUG = env.bool("DJANGO_DEBUG", default=False)
+# No public default: the local `make` targets generate a key into .data/ (shop.devservices),
+# compose takes it from .env. Without one, commands and Celery workers (which sign nothing
+# that outlives them) get a random key of their own, and the web app refuses to start
+# (shop/wsgi.py): its sessions and CSRF tokens would be signed with a key anyone can read.
+SECRET_KEY = env.str("DJANGO_SECRET_KEY", default="")
+SECRET_KEY_IS_SET = bool(SECRET_KEY)
+if not SECRET_KEY:
+    SECRET_KEY = "unset-" + secrets.token_urlsafe(40)
 ALLOWED_HOSTS = env.list(
     "DJANGO_ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "[::1]", "testserver"]
 )
 CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
+# Served over HTTPS (TLS ending at the proxy, which sets X-Forwarded-Proto): redirect plain
+# HTTP, secure-only cookies, HSTS. `manage.py check --deploy` is clean with it on.
+HTTPS = env.bool("DJANGO_HTTPS", default=False)
+if HTTPS:
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SECURE_SSL_REDIRECT = True
+    SECURE_REDIRECT_EXEMPT = [r"^healthz$"]  # the proxy's and compose's health checks
+    SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = True
+    # As cookiecutter-django does: a short max-age to start with (browsers remember HSTS;
+    # raise it once HTTPS is known to work everywhere), subdomains and preload on.
+    SECURE_HSTS_SECONDS = env.int("DJANGO_HSTS_SECONDS", default=60)
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = env.bool("DJANGO_HSTS_INCLUDE_SUBDOMAINS", default=True)
+    SECURE_HSTS_PRELOAD = env.bool("DJANGO_HSTS_PRELOAD", default=True)
 
 INSTALLED_APPS = [
     "django.contrib.admin",

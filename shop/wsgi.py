@@ -2,8 +2,17 @@
 
 import os
 
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.core.wsgi import get_wsgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "shop.settings")
 
 application = get_wsgi_application()
+
+if not (settings.SECRET_KEY_IS_SET or settings.DEBUG):
+    raise ImproperlyConfigured(
+        "DJANGO_SECRET_KEY is not set: the shop will not serve with a key anyone can read. "
+        "Set it (docker compose: in .env), or start it with `make serve`, which keeps one in "
+        ".data/secret_key."
+    )

@@ -20,6 +20,8 @@ from tests.support import delete_prefix, redis_url, unique_prefix
 #: the same Celery queue, neither of which anything outside this run touches.
 REDIS_PREFIX = f"flashsale-test-{uuid.uuid4().hex[:8]}"
 TASK_QUEUE = f"{REDIS_PREFIX}-orders"
+#: The servers the tests start sign their sessions with it.
+TEST_SECRET_KEY = f"flashsale-tests-{uuid.uuid4().hex}"
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -89,6 +91,7 @@ def server_env(**overrides: object) -> dict[str, str]:
         "FLASHSALE_TASK_QUEUE": TASK_QUEUE,
         "CELERY_BROKER_URL": settings.CELERY_BROKER_URL,
         "DJANGO_CONN_MAX_AGE": "0",
+        "DJANGO_SECRET_KEY": TEST_SECRET_KEY,
     }
     env.update({key: str(value) for key, value in overrides.items()})
     env.pop("DJANGO_SETTINGS_MODULE", None)

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 import re
+import secrets
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -321,3 +325,56 @@ def test_dockerignore_keeps_local_state_out_of_the_image():
         if line.strip() and not line.startswith("#")
     }
     assert {".git", ".venv", ".data"} <= ignored
+
+
+def _compose_app_env(services) -> dict[str, str]:
+    env = services["web"]["environment"]
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {key: str(value) for key, value in env.items()}
+
+
+def _manage(env: dict[str, str], *arguments: str) -> subprocess.CompletedProcess:
+    keep = {key: value for key, value in os.environ.items() if not key.startswith("DJANGO_")}
+    return subprocess.run(
+        [sys.executable, "manage.py", *arguments],
+        cwd=ROOT,
+        env={**keep, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_check_deploy_is_clean_for_compose_behind_tls(services):
+    env = _compose_app_env(services)
+    env["DJANGO_SECRET_KEY"] = secrets.token_urlsafe(50)
+    env["DJANGO_HTTPS"] = "1"
+    done = _manage(env, "check", "--deploy", "--fail-level", "WARNING")
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert "no issues" in done.stdout
+    # and over plain HTTP it says exactly what is missing, nothing else
+    env["DJANGO_HTTPS"] = "0"
+    plain = _manage(env, "check", "--deploy")
+    found = set(re.findall(r"security\.W\d+", plain.stderr + plain.stdout))
+    assert found == {"security.W004", "security.W008", "security.W012", "security.W016"}, found
+
+
+def test_the_web_app_refuses_to_serve_without_a_secret_key(services):
+    env = _compose_app_env(services)
+    del env["DJANGO_SECRET_KEY"]
+    load = "import shop.wsgi"
+    refused = subprocess.run(
+        [sys.executable, "-c", load], cwd=ROOT, env={**os.environ, **env, "DJANGO_SECRET_KEY": ""},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert refused.returncode != 0
+    assert "DJANGO_SECRET_KEY is not set" in refused.stderr
+    served = subprocess.run(
+        [sys.executable, "-c", load], cwd=ROOT,
+        env={**os.environ, **env, "DJANGO_SECRET_KEY": secrets.token_urlsafe(50)},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert served.returncode == 0, served.stderr
+    # commands and workers do without one
+    assert _manage({**env, "DJANGO_SECRET_KEY": ""}, "check").returncode == 0

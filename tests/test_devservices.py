@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -201,6 +202,24 @@ def test_nothing_is_started_when_environment_names_the_services(tmp_path):
     assert out.split() == [env["DATABASE_URL"], env["REDIS_URL"]]
     assert "devservices:" not in err
     assert not (tmp_path / "unused").exists()
+
+
+@pytest.mark.embedded_smoke
+def test_a_secret_key_is_made_once_per_checkout_and_one_given_wins(tmp_path):
+    env = runner_env(
+        tmp_path,
+        DATABASE_URL="postgres://someone@db.example.invalid:5432/shop",
+        REDIS_URL="redis://cache.example.invalid:6379/0",
+    )
+    env.pop("DJANGO_SECRET_KEY", None)
+    show = 'import os; print(os.environ["DJANGO_SECRET_KEY"])'
+    keys = [finish(start_runner(show, env))[1].strip() for _ in range(2)]
+    assert keys[0] == keys[1] and len(keys[0]) >= 50
+    stored = tmp_path / "secret_key"
+    assert stored.read_text().strip() == keys[0]
+    assert stat.S_IMODE(stored.stat().st_mode) == 0o600
+    given = finish(start_runner(show, {**env, "DJANGO_SECRET_KEY": "given-key"}))[1].strip()
+    assert given == "given-key"
 
 
 @pytest.mark.embedded_smoke
