@@ -5,10 +5,12 @@ Errors are always `{"error": CODE, "detail": ...}`.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 from dataclasses import dataclass
 from typing import Any
+from uuid import UUID
 
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
@@ -135,7 +137,7 @@ def _checkout(request: HttpRequest) -> JsonResponse:
         )
     except CheckoutError as error:
         return checkout_error_response(error)
-    headers = {"Location": f"/api/orders/{result.order.pk}"}
+    headers = {"Location": f"/api/orders/{result.order.public_id}"}
     if not result.created:
         headers["Idempotent-Replayed"] = "true"
     return JsonResponse(selectors.checkout_payload(result.order), status=201, headers=headers)
@@ -156,10 +158,29 @@ def noop(request: HttpRequest) -> JsonResponse:
     return JsonResponse({"ok": True})
 
 
+def _may_audit(request: HttpRequest) -> bool:
+    """A staff login, or the bearer token FLASHSALE_API_TOKEN (what load tools send)."""
+    token = settings.FLASHSALE_API_TOKEN
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if token and scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), token.encode()):
+        return True
+    user = getattr(request, "user", None)
+    return bool(user and user.is_active and user.is_staff)
+
+
 def item_audit(request: HttpRequest, sku: str) -> JsonResponse:
-    """`sale audit SKU --json` over HTTP, for load tools running on another machine."""
+    """`sale audit SKU --json` over HTTP, for load tools running on another machine: for staff,
+    or with the bearer token FLASHSALE_API_TOKEN."""
     if request.method != "GET":
         return method_not_allowed(request, "GET")
+    if not _may_audit(request):
+        return error_response(
+            "unauthorized",
+            "the audit is for staff, or for a client sending the bearer token "
+            "FLASHSALE_API_TOKEN (Authorization: Bearer ...)",
+            401,
+            {"WWW-Authenticate": 'Bearer realm="flashsale"'},
+        )
     try:
         return JsonResponse(selectors.audit_sale(sku))
     except CheckoutError as error:
@@ -210,7 +231,7 @@ def item_detail(request: HttpRequest, sku: str) -> JsonResponse:
     return JsonResponse(payload)
 
 
-def order_detail(request: HttpRequest, order_id: int) -> JsonResponse:
+def order_detail(request: HttpRequest, order_id: UUID) -> JsonResponse:
     if request.method != "GET":
         return method_not_allowed(request, "GET")
     try:

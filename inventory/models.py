@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+from django.contrib.postgres.functions import RandomUUID
 from django.db import models
 from django.db.models import Q
 from django.db.models.functions import Coalesce
@@ -171,6 +172,9 @@ LIVE_STATUSES = (OrderStatus.PENDING, OrderStatus.PAID, OrderStatus.CONFIRMED)
 
 
 class Order(models.Model):
+    #: The order's id outside the shop (API, pages, links): unguessable, so an order is seen
+    #: only by whoever was given its id (the buyer), never by counting up from one's own.
+    public_id = models.UUIDField(unique=True, editable=False, db_default=RandomUUID())
     item = models.ForeignKey(Item, on_delete=models.PROTECT, related_name="orders")
     sale = models.ForeignKey(Sale, on_delete=models.PROTECT, related_name="orders")
     buyer = models.CharField(max_length=64)
@@ -206,6 +210,11 @@ class Order(models.Model):
 
     def __str__(self) -> str:
         return f"order {self.pk} {self.item_id} x{self.qty} ({self.status})"
+
+    @property
+    def reference(self) -> str:
+        """A short name for the order on its page (its public id's first 8 characters)."""
+        return str(self.public_id)[:8]
 
 
 class PaymentAttempt(models.Model):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from typing import Any
+from uuid import UUID
 
 from django.db import connection
 from django.db.models import Count, QuerySet, Sum
@@ -77,7 +78,7 @@ def item_payload(item: Item) -> dict[str, Any]:
 
 def order_payload(order: Order) -> dict[str, Any]:
     return {
-        "order": order.pk,
+        "order": str(order.public_id),
         "sku": order.item.sku,
         "qty": order.qty,
         "buyer": order.buyer,
@@ -94,8 +95,9 @@ def checkout_payload(order: Order) -> dict[str, Any]:
     return {**order_payload(order), "status": OrderStatus.PENDING}
 
 
-def get_order(order_id: int) -> Order:
-    return Order.objects.select_related("item").get(pk=order_id)
+def get_order(public_id: UUID) -> Order:
+    """The order whose public id this is (Order.DoesNotExist when none is)."""
+    return Order.objects.select_related("item").get(public_id=public_id)
 
 
 def audit_sale(sku: str) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import random
 import time
+import uuid
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from functools import cache, cached_property
@@ -159,6 +160,7 @@ def sell(
     units = {str(index): units for index, units in shards} or None
     now = timezone.now()
     params: dict[str, object] = {
+        "public_id": uuid.uuid4(),
         "item": item.pk,
         "sale": item.current_sale_id,
         "qty": qty,
@@ -200,6 +202,7 @@ def sell(
         return None
     fields = {
         "id": order_id,
+        "public_id": params["public_id"],
         "sale_id": item.current_sale_id,
         "buyer": buyer,
         "qty": qty,
@@ -280,6 +283,7 @@ class SaleRecorder:
     def request(self, *, served_by: str) -> dict[str, Any]:
         """The sale as `sell_batch` takes it, less its `rows`."""
         return {
+            "public_id": str(uuid.uuid4()),
             "item": self.item.pk,
             "sale": self.item.current_sale_id,
             "qty": self.qty,
@@ -291,12 +295,19 @@ class SaleRecorder:
         }
 
     def sold(
-        self, *, order_id: int, served_by: str, shard_units: dict[int, int], placed_at: datetime
+        self,
+        *,
+        order_id: int,
+        public_id: str,
+        served_by: str,
+        shard_units: dict[int, int],
+        placed_at: datetime,
     ) -> Sold:
-        """The sale `sell_batch` committed for this checkout."""
+        """The sale `sell_batch` committed for this checkout (`public_id`: its request's)."""
         units = {str(index): taken for index, taken in sorted(shard_units.items())}
         fields = {
             "id": order_id,
+            "public_id": uuid.UUID(public_id),
             "sale_id": self.item.current_sale_id,
             "buyer": self.buyer,
             "qty": self.qty,
@@ -390,10 +401,11 @@ def _sale_sql(shard_count: int, *, absolute: bool, versioned: bool, limited: boo
             " + EXCLUDED.units)"
         )
     ctes.append(
-        f"placed AS (INSERT INTO {_ORDER} (item_id, sale_id, buyer, qty, status,"
+        f"placed AS (INSERT INTO {_ORDER} (public_id, item_id, sale_id, buyer, qty, status,"
         " idempotency_key, served_by, fallback, shard_units, created_at, updated_at)"
-        " SELECT %(item)s, %(sale)s, %(buyer)s, %(qty)s, 'pending', %(key)s, %(served_by)s,"
-        " %(fallback)s, %(shard_units)s::jsonb, %(now)s, %(now)s FROM taken RETURNING id)"
+        " SELECT %(public_id)s, %(item)s, %(sale)s, %(buyer)s, %(qty)s, 'pending', %(key)s,"
+        " %(served_by)s, %(fallback)s, %(shard_units)s::jsonb, %(now)s, %(now)s FROM taken"
+        " RETURNING id)"
     )
     columns = [
         "(SELECT id FROM placed)",

@@ -8,5 +8,6 @@ urlpatterns = [
     path("items/<str:sku>/audit", api.item_audit, name="api-item-audit"),
     path("noop", api.noop, name="api-noop"),
     path("checkout", api.checkout, name="api-checkout"),
-    path("orders/<int:order_id>", api.order_detail, name="api-order"),
+    # An order's public id (a UUID): anything else is not an order's (404).
+    path("orders/<uuid:order_id>", api.order_detail, name="api-order"),
 ]

@@ -20,7 +20,8 @@ from urllib.parse import urlsplit
 class FloodResult:
     statuses: Counter = field(default_factory=Counter)
     errors: Counter = field(default_factory=Counter)
-    order_ids: list[int] = field(default_factory=list)
+    #: The public ids of the orders the 201s named.
+    order_ids: list[str] = field(default_factory=list)
     transport_failures: int = 0
     elapsed: float = 0.0
 

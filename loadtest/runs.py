@@ -31,6 +31,7 @@ import csv
 import math
 import os
 import re
+import secrets
 import subprocess
 import sys
 import time
@@ -263,6 +264,10 @@ def _target(config: LoadRunSettings, batch: str, out: Path, progress: Progress) 
         "FLASHSALE_TASK_QUEUE": queue,
         **config.extra_env,
     }
+    # The server's audit takes a bearer token: the locustfile sends the one it finds in its
+    # environment, which Locust inherits from this process.
+    os.environ.setdefault("FLASHSALE_API_TOKEN", secrets.token_urlsafe(32))
+    env["FLASHSALE_API_TOKEN"] = os.environ["FLASHSALE_API_TOKEN"]
     server = ShopServer(
         env=env, workers=config.server_workers, log_path=out / "server.log", preload=True
     )

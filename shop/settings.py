@@ -122,6 +122,8 @@ WHITENOISE_USE_FINDERS = True
 
 # A checkout body is a few dozen bytes; anything near this is abuse.
 DATA_UPLOAD_MAX_MEMORY_SIZE = env.int("FLASHSALE_MAX_BODY_BYTES", default=16 * 1024)
+# Bearer token for the machine endpoints (the audit): unset, only a staff login reads them.
+FLASHSALE_API_TOKEN = env.str("FLASHSALE_API_TOKEN", default="")
 
 LOGIN_URL = "admin:login"
 

@@ -9,7 +9,7 @@ from . import views
 urlpatterns = [
     path("", views.item_list, name="item-list"),
     path("items/<str:sku>/", views.item_page, name="item"),
-    path("orders/<int:order_id>/", views.order_page, name="order"),
+    path("orders/<uuid:order_id>/", views.order_page, name="order"),
     path("api/", include("inventory.urls")),
     path("healthz", api.healthz, name="healthz"),
     path("admin/compare/", compare_view, name="admin-compare"),

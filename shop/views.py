@@ -7,6 +7,7 @@ polling the JSON API (stock, sale opening, order status) and /healthz (the Redis
 from __future__ import annotations
 
 import uuid
+from uuid import UUID
 
 from django.conf import settings
 from django.http import Http404, HttpRequest, HttpResponse
@@ -89,7 +90,7 @@ def item_page(request: HttpRequest, sku: str) -> HttpResponse:
             error = exc
         else:
             request.session["buyer"] = buyer
-            return redirect("order", order_id=result.order.pk)
+            return redirect("order", order_id=result.order.public_id)
         if buyer and len(buyer) <= 64 and buyer.isprintable():
             request.session["buyer"] = buyer
         item = selectors.get_item(item.sku)
@@ -128,7 +129,7 @@ def item_page(request: HttpRequest, sku: str) -> HttpResponse:
 
 
 @require_GET
-def order_page(request: HttpRequest, order_id: int) -> HttpResponse:
+def order_page(request: HttpRequest, order_id: UUID) -> HttpResponse:
     try:
         order = selectors.get_order(order_id)
     except Order.DoesNotExist:

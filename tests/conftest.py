@@ -22,6 +22,8 @@ REDIS_PREFIX = f"flashsale-test-{uuid.uuid4().hex[:8]}"
 TASK_QUEUE = f"{REDIS_PREFIX}-orders"
 #: The servers the tests start sign their sessions with it.
 TEST_SECRET_KEY = f"flashsale-tests-{uuid.uuid4().hex}"
+#: And take it as the bearer token of their audit endpoint.
+TEST_API_TOKEN = f"flashsale-tests-{uuid.uuid4().hex}"
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -29,6 +31,8 @@ def _isolated_redis_and_queue() -> Iterator[None]:
     from shop.celery import app
 
     settings.FLASHSALE_REDIS_PREFIX = REDIS_PREFIX
+    # Sessions made here (a force_login) must be the servers' sessions too.
+    settings.SECRET_KEY = TEST_SECRET_KEY
     app.conf.task_default_queue = TASK_QUEUE
     yield
     from inventory.redis_client import get_redis_client
@@ -92,6 +96,7 @@ def server_env(**overrides: object) -> dict[str, str]:
         "CELERY_BROKER_URL": settings.CELERY_BROKER_URL,
         "DJANGO_CONN_MAX_AGE": "0",
         "DJANGO_SECRET_KEY": TEST_SECRET_KEY,
+        "FLASHSALE_API_TOKEN": TEST_API_TOKEN,
     }
     env.update({key: str(value) for key, value in overrides.items()})
     env.pop("DJANGO_SETTINGS_MODULE", None)

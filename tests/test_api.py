@@ -335,3 +335,43 @@ def test_checkout_before_the_sale_opens_is_refused(client):
     response = _checkout(client, sku="widget", qty=1, buyer="ann")
     assert response.status_code == 409 and response.json()["error"] == "not_started"
     assert Order.objects.count() == 0 and Item.objects.get(sku="widget").units_left == 5
+
+
+def test_the_audit_endpoint_is_for_staff_or_the_bearer_token(client, settings):
+    from django.contrib.auth.models import User
+
+    start_sale(sku="widget", stock=5, strategy="lua")
+    url = "/api/items/widget/audit"
+    settings.FLASHSALE_API_TOKEN = "s3cret-token"
+
+    anonymous = client.get(url)
+    assert anonymous.status_code == 401 and anonymous.json()["error"] == "unauthorized"
+    assert anonymous["WWW-Authenticate"].startswith("Bearer")
+    assert client.get(url, HTTP_AUTHORIZATION="Bearer wrong-token").status_code == 401
+    assert client.get(url, HTTP_AUTHORIZATION="Basic s3cret-token").status_code == 401
+    tokened = client.get(url, HTTP_AUTHORIZATION="Bearer s3cret-token")
+    assert tokened.status_code == 200 and tokened.json()["initial_stock"] == 5
+
+    buyer = User.objects.create_user("buyer", password="pw-for-tests-only")
+    client.force_login(buyer)
+    assert client.get(url).status_code == 401
+    User.objects.create_user("boss", password="pw-for-tests-only", is_staff=True)
+    client.login(username="boss", password="pw-for-tests-only")
+    assert client.get(url).json()["sku"] == "widget"
+    # with no token configured, a bearer header opens nothing
+    settings.FLASHSALE_API_TOKEN = ""
+    client.logout()
+    assert client.get(url, HTTP_AUTHORIZATION="Bearer ").status_code == 401
+
+
+def test_orders_are_named_by_unguessable_ids(client):
+    start_sale(sku="widget", stock=5, strategy="lock")
+    first, second = (
+        _checkout(client, sku="widget", qty=1, buyer=buyer).json()["order"]
+        for buyer in ("ann", "bob")
+    )
+    # UUIDs (122 random bits), unrelated to each other or to the row's number
+    assert {len(first), len(second)} == {36} and first != second
+    assert str(Order.objects.get(buyer="ann").public_id) == first
+    assert client.get(f"/api/orders/{Order.objects.get(buyer='bob').pk}").status_code == 404
+    assert client.get(f"/api/orders/{second}").json()["buyer"] == "bob"

@@ -97,7 +97,7 @@ def test_asking_for_more_than_is_left_is_sold_out_and_changes_nothing(client, it
         ("get", "/api/checkout"),
         ("post", "/api/items/gadget"),
         ("post", "/api/items"),
-        ("delete", "/api/orders/1"),
+        ("delete", "/api/orders/00000000-0000-4000-8000-000000000001"),
     ],
 )
 def test_a_wrong_method_gets_405_json(client, item, method, path):
@@ -124,9 +124,11 @@ def test_a_bad_item_list_query_is_400_json(client, item, query, detail):
 
 def test_unknown_item_and_order_are_404_json(client, item):
     assert client.get("/api/items/nope").json()["error"] == "unknown_sku"
-    response = client.get("/api/orders/999999")
+    response = client.get("/api/orders/00000000-0000-4000-8000-000000000001")
     assert response.status_code == 404
     assert response.json()["error"] == "unknown_order"
+    # and an order is never found by counting: sequential ids are no order's
+    assert client.get("/api/orders/1").status_code == 404
 
 
 def test_deeply_nested_json_is_a_400_not_a_500(client, item):
@@ -139,8 +141,9 @@ def test_deeply_nested_json_is_a_400_not_a_500(client, item):
 
 
 @pytest.mark.parametrize("path", ["/api/items/%00", "/items/%00/", "/api/items/a%00b/audit"])
-def test_a_nul_byte_in_a_sku_is_unknown_not_a_500(client, item, path):
-    assert client.get(path).status_code == 404
+def test_a_nul_byte_in_a_sku_is_unknown_not_a_500(client, item, path, settings):
+    settings.FLASHSALE_API_TOKEN = "audit-token"
+    assert client.get(path, HTTP_AUTHORIZATION="Bearer audit-token").status_code == 404
 
 
 @pytest.mark.parametrize(

@@ -50,7 +50,8 @@ def test_a_flood_through_group_commit_sells_exactly_the_stock_in_shared_commits(
         assert result.accepted == STOCK, context
         assert result.errors == {"sold_out": ATTEMPTS - STOCK}, context
         stored = Order.objects.filter(item__sku=sku)
-        assert sorted(result.order_ids) == sorted(stored.values_list("pk", flat=True)), context
+        placed = sorted(str(pid) for pid in stored.values_list("public_id", flat=True))
+        assert sorted(result.order_ids) == placed, context
         audit = audit_sale(sku)
         assert audit["oversold"] == 0 and audit["remaining"] == 0, audit
         assert audit["db_stock"] == audit["redis_stock"] == 0 and audit["consistent"], audit

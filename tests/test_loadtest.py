@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from inventory.services import start_sale
 from loadtest.runs import LOCUSTFILE
 from loadtest.sandbox import database_name
 from loadtest.server import PROJECT_DIR as ROOT
-from tests.conftest import server_env
+from tests.conftest import TEST_API_TOKEN, server_env
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -69,7 +70,14 @@ def _locust(url: str, sku: str, *extra: str) -> subprocess.CompletedProcess:
         "--host", url, "--sku", sku, "-u", "12", "-r", "12", "-t", "4s",
         "--warmup-share", "0", "--only-summary", *extra,
     ]  # fmt: skip
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        command,
+        cwd=ROOT,
+        env={**os.environ, "FLASHSALE_API_TOKEN": TEST_API_TOKEN},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_the_locust_audit_fails_a_run_that_oversold(shop_server):
@@ -124,7 +132,7 @@ def test_a_distributed_load_run_uses_several_locust_processes(tmp_path):
     ) as other:
         sold = other.execute(
             "SELECT count(*), sum(o.qty) FROM inventory_order o"
-            " JOIN inventory_item i ON i.id = o.item_id WHERE i.sku = %s",
+            " JOIN inventory_item i ON o.sale_id = i.current_sale_id WHERE i.sku = %s",
             [lua.sku],
         ).fetchone()
     assert sold == (20, 20)

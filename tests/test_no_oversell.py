@@ -48,7 +48,10 @@ def test_a_flood_sells_exactly_the_stock(shop_server, strategy):
         assert audit["db_stock"] == 0, audit
         assert audit["consistent"], audit
         # every 201 has its committed order row, and there are no others
-        stored = set(Order.objects.filter(item__sku=sku).values_list("pk", flat=True))
+        stored = {
+            str(pid)
+            for pid in Order.objects.filter(item__sku=sku).values_list("public_id", flat=True)
+        }
         assert sorted(result.order_ids) == sorted(stored), context
 
 

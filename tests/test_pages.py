@@ -83,10 +83,14 @@ def _not_reloaded(page: Page) -> bool:
     return page.evaluate("window.__sameDocument === true")
 
 
-def _order_id(page: Page) -> int:
-    match = re.search(r"/orders/(\d+)/$", page.url)
+#: An order page's address: /orders/<the order's public id, a UUID>/
+ORDER_URL = re.compile(r"/orders/([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})/$")
+
+
+def _order_id(page: Page) -> str:
+    match = ORDER_URL.search(page.url)
     assert match, page.url
-    return int(match.group(1))
+    return match.group(1)
 
 
 def test_buy_from_the_item_page_and_see_the_order_confirmed_live(shop_server, page):
@@ -108,8 +112,8 @@ def test_buy_from_the_item_page_and_see_the_order_confirmed_live(shop_server, pa
     page.get_by_role("button", name="Buy now").click()
 
     # Then the order page shows it pending
-    page.wait_for_url(re.compile(r"/orders/\d+/$"))
-    order = Order.objects.get(pk=_order_id(page))
+    page.wait_for_url(ORDER_URL)
+    order = Order.objects.get(public_id=_order_id(page))
     assert (order.buyer, order.qty, order.item.sku) == ("ann", 2, sku)
     expect(page.locator("[data-order-status]")).to_have_text("pending")
     screenshot(page, "03-order-pending")
@@ -180,13 +184,13 @@ def test_a_double_click_or_a_resent_form_makes_one_order(shop_server, page):
     )
     # and then its button is double-clicked
     page.get_by_role("button", name="Buy now").dblclick()
-    page.wait_for_url(re.compile(r"/orders/\d+/$"))
+    page.wait_for_url(ORDER_URL)
 
     # Then there is one order, and everyone landed on it
     order = Order.objects.get(item__sku=sku)
     assert order.qty == 1 and order.buyer == "cat"
-    assert landed == [[200, f"{shop_server.url}/orders/{order.pk}/"]] * 2
-    assert _order_id(page) == order.pk
+    assert landed == [[200, f"{shop_server.url}/orders/{order.public_id}/"]] * 2
+    assert _order_id(page) == str(order.public_id)
 
 
 def test_the_button_is_disabled_on_submit(shop_server, page):
@@ -233,7 +237,7 @@ def test_a_sale_opening_later_counts_down_then_opens(shop_server, page):
     expect(page.locator("[data-countdown]")).to_be_hidden()
     page.get_by_label("Your name").fill("eve")
     page.get_by_role("button", name="Buy now").click()
-    page.wait_for_url(re.compile(r"/orders/\d+/$"))
+    page.wait_for_url(ORDER_URL)
     assert Order.objects.filter(item__sku=sku).count() == 1
 
 
@@ -278,7 +282,7 @@ def test_a_buyer_at_the_limit_sees_it_and_cannot_buy(shop_server, page):
     page.goto(f"{shop_server.url}/items/{sku}/")
     page.get_by_label("Your name").fill("fay")
     page.get_by_role("button", name="Buy now").click()
-    page.wait_for_url(re.compile(r"/orders/\d+/$"))
+    page.wait_for_url(ORDER_URL)
 
     # When they come back to the item
     page.goto(f"{shop_server.url}/items/{sku}/")
@@ -317,7 +321,7 @@ def test_the_fallback_banner_shows_while_redis_is_down(page):
             screenshot(page, "10-item-fallback-active")
             page.get_by_label("Your name").fill("hal")
             page.get_by_role("button", name="Buy now").click()
-            page.wait_for_url(re.compile(r"/orders/\d+/$"))
+            page.wait_for_url(ORDER_URL)
             assert Order.objects.get(item__sku=sku).fallback
             expect(page.get_by_text("database fallback")).to_be_visible()
             screenshot(page, "11-order-fallback")
@@ -354,7 +358,7 @@ def test_the_buy_form_works_with_the_keyboard_alone(shop_server, page):
     page.keyboard.press("Enter")
 
     # and the order is placed
-    page.wait_for_url(re.compile(r"/orders/\d+/$"))
+    page.wait_for_url(ORDER_URL)
     order = Order.objects.get(item__sku=sku)
     assert (order.buyer, order.qty) == ("ida", 2)
 

@@ -63,5 +63,7 @@ def test_restarting_a_sale_under_a_flood_never_sells_a_unit_twice(shop_server, s
     assert audit["db_stock"] == STOCK - audit["accepted_units"], audit
     assert Item.objects.get(sku=sku).units_left == audit["db_stock"]
     # every 201 is an order in the database
-    stored = set(Order.objects.filter(item__sku=sku).values_list("pk", flat=True))
+    stored = {
+        str(pid) for pid in Order.objects.filter(item__sku=sku).values_list("public_id", flat=True)
+    }
     assert set(result.order_ids) <= stored, context

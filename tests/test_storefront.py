@@ -31,7 +31,7 @@ def test_buying_from_the_item_page_leads_to_the_order_page():
 
     bought = browser.post("/items/phone/", {**fields, "buyer": "ann", "qty": "2"}, follow=True)
     order = Order.objects.get()
-    assert bought.redirect_chain == [(f"/orders/{order.pk}/", 302)]
+    assert bought.redirect_chain == [(f"/orders/{order.public_id}/", 302)]
     assert "pending" in bought.content.decode() and order.qty == 2
 
     # the same rendered form submitted twice (a double click) makes one order

@@ -51,7 +51,13 @@ class RecordOrder(Protocol):
         """The sale as `inventory.stock.sell_batch` takes it (less its rows), for group commit."""
 
     def sold(
-        self, *, order_id: int, served_by: str, shard_units: dict[int, int], placed_at: datetime
+        self,
+        *,
+        order_id: int,
+        public_id: str,
+        served_by: str,
+        shard_units: dict[int, int],
+        placed_at: datetime,
     ) -> Sold:
         """The sale `inventory.stock.sell_batch` committed for this checkout."""
 

@@ -169,6 +169,7 @@ class LuaStrategy(StockStrategy):
             if outcome == "sold":
                 sold = record.sold(
                     order_id=answer["id"],
+                    public_id=request["public_id"],
                     served_by=self.name,
                     shard_units=queued.taken,
                     placed_at=datetime.fromisoformat(answer["at"]),
