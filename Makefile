@@ -17,7 +17,7 @@ STRATEGY ?= lua
 ADMIN_USER ?= admin
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test serve demo sale admin lint fmt clean chromium
+.PHONY: help venv test serve demo sale admin lint fmt clean chromium nginx
 
 help: ## list the targets
 	@echo "flashsale make targets:"
@@ -56,6 +56,16 @@ sale: $(STAMP) ## start a sale beside make serve: make sale SKU=phone STOCK=100 
 
 admin: $(STAMP) ## create a staff login for the local shop's /admin/ (ADMIN_USER=admin; asks for a password unless DJANGO_SUPERUSER_PASSWORD is set)
 	$(RUN) sh -c '$(PY) manage.py migrate --noinput -v 0 && exec $(PY) manage.py createsuperuser --username "$$0" --email "" $${DJANGO_SUPERUSER_PASSWORD:+--noinput}' "$(ADMIN_USER)"
+
+nginx: ## install Debian's nginx for the test of deploy/nginx.conf (root only)
+	@if command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ]; then \
+	  echo "nginx: present"; \
+	elif [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
+	  echo "nginx: missing and not installable here (root and apt-get needed): its test is skipped"; \
+	else \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y nginx-light || \
+	  { DEBIAN_FRONTEND=noninteractive apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y nginx-light; }; \
+	fi
 
 chromium: ## install Debian's chromium and chromium-driver for the browser tests (root only)
 	@if [ -x /usr/bin/chromium ]; then \

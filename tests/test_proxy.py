@@ -1,0 +1,124 @@
+"""deploy/nginx.conf in front of a real gunicorn: slow clients tie up nginx, never a worker.
+
+Runs the repository's own nginx.conf (its upstream and port pointed at this test's gunicorn)
+with the machine's nginx; skipped where there is none (`make nginx` installs it, as CI does).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from loadtest.server import PROJECT_DIR, ShopServer, free_port
+from tests.conftest import server_env
+
+NGINX = shutil.which("nginx") or (
+    "/usr/sbin/nginx" if os.access("/usr/sbin/nginx", os.X_OK) else None
+)
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.skipif(NGINX is None, reason="no nginx on this machine (make nginx)"),
+]
+
+SLOW_CLIENTS = 8
+
+
+@pytest.fixture
+def gunicorn() -> Iterator[ShopServer]:
+    # Two sync workers: a handful of slow clients is enough to take them all.
+    server = ShopServer(env=server_env(), workers=2).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def proxy(gunicorn, tmp_path) -> Iterator[str]:
+    port = free_port()
+    site = (PROJECT_DIR / "deploy" / "nginx.conf").read_text()
+    site, upstreams = re.subn(r"server web:8000;", f"server 127.0.0.1:{gunicorn.port};", site)
+    site, listens = re.subn(r"listen 80;", f"listen 127.0.0.1:{port};", site)
+    assert upstreams == listens == 1, "deploy/nginx.conf changed shape: update this test"
+    (tmp_path / "site.conf").write_text(site)
+    temp = "".join(f"{kind}_temp_path {tmp_path}/{kind};\n" for kind in
+                   ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))  # fmt: skip
+    user = "user root;\n" if os.geteuid() == 0 else ""
+    (tmp_path / "nginx.conf").write_text(
+        f"{user}daemon off;\nworker_processes 1;\npid {tmp_path}/nginx.pid;\n"
+        f"error_log {tmp_path}/error.log;\nevents {{ worker_connections 256; }}\n"
+        f"http {{\naccess_log off;\n{temp}include {tmp_path}/site.conf;\n}}\n"
+    )
+    process = subprocess.Popen(
+        [NGINX, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/healthz", timeout=2) as response:
+                if response.status == 200:
+                    break
+        except OSError:
+            if process.poll() is not None:
+                pytest.fail(f"nginx exited: {process.stderr.read().decode()}")
+            time.sleep(0.1)
+    yield url
+    process.terminate()
+    process.wait(10)
+
+
+def _trickle(port: int) -> list[socket.socket]:
+    """Clients that send the start of a request and then one header byte now and then."""
+    clients = []
+    for _ in range(SLOW_CLIENTS):
+        client = socket.create_connection(("127.0.0.1", port), timeout=5)
+        client.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        clients.append(client)
+    return clients
+
+
+def _answers_within(url: str, seconds: float) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/healthz", timeout=seconds) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def test_slow_clients_take_gunicorn_but_not_the_proxy_in_front(gunicorn, proxy):
+    # Straight at gunicorn, a few trickling clients hold every sync worker: nobody else gets in
+    clients = _trickle(gunicorn.port)
+    try:
+        time.sleep(0.5)
+        for client in clients:
+            client.sendall(b"x")
+        assert not _answers_within(gunicorn.url, 3)
+    finally:
+        for client in clients:
+            client.close()
+    assert _answers_within(gunicorn.url, 10)  # they left: it answers again
+
+    # Through the proxy, the same clients wait in nginx, which hands gunicorn whole requests
+    clients = _trickle(int(proxy.rsplit(":", 1)[1]))
+    try:
+        time.sleep(0.5)
+        for _ in range(3):
+            for client in clients:
+                client.sendall(b"x")
+            started = time.monotonic()
+            assert _answers_within(proxy, 3)
+            assert time.monotonic() - started < 2
+            time.sleep(0.5)
+    finally:
+        for client in clients:
+            client.close()
