@@ -81,21 +81,16 @@ class CircuitBreaker:
         self._retry_at = None
 
 
-def rebuild_redis_state() -> None:
-    """Set every item's Redis counters and shards from the database."""
-    from .models import Item
-    from .strategies import get_strategy
-
-    for item in Item.objects.exclude(current_sale=None):
-        get_strategy(item.strategy).sync_redis(item=item)
+#: What a recovered Redis needs before checkouts use it again, in order (each may raise a
+#: Redis error: the breaker then stays open). Registered by `InventoryConfig.ready()`:
+#: releasing the locks a failure left in doubt, rebuilding the counters from the database.
+redis_recovery: list[Callable[[], None]] = []
 
 
 def _probe_redis() -> None:
-    from .strategies.lock import release_unsettled_locks
-
     get_redis_client().ping()
-    release_unsettled_locks()
-    rebuild_redis_state()
+    for step in redis_recovery:
+        step()
 
 
 #: This process's breaker in front of Redis: closes only once Redis answers and is rebuilt.

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import redis
+from celery import current_app
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Q, Sum
@@ -43,23 +44,26 @@ RETURNED_STATUSES = (OrderStatus.FAILED, OrderStatus.EXPIRED)
 
 _PUBLISH_ERRORS = (KombuError, OSError, redis.exceptions.RedisError)
 
+#: The tasks checkout and the sweeper publish, named as Celery registers them (`inventory.tasks`
+#: imports this module, so it is never imported back; tests check the names are registered).
+PROCESS_ORDER_TASK = "inventory.tasks.process_order_task"
+DISPATCH_ORDERS_TASK = "inventory.tasks.dispatch_orders_task"
+
 
 def enqueue_order(order_pk: int) -> bool:
     """Publish the order's processing task; False (and logged) if the broker is unreachable.
 
     Never raises: the order row is the outbox, and the sweeper enqueues what this missed.
     """
-    from .tasks import process_order_task
-
-    return _publish(process_order_task, order_pk, what=f"order {order_pk}")
+    return _publish(PROCESS_ORDER_TASK, order_pk, what=f"order {order_pk}")
 
 
-def _publish(task, argument: object, *, what: str) -> bool:
+def _publish(task: str, argument: object, *, what: str) -> bool:
     """Send task(argument) through the broker breaker; False (and logged) if the broker is down."""
     if not broker_breaker.allow():
         return False
     try:
-        task.apply_async((argument,), retry=False)
+        current_app.send_task(task, (argument,), retry=False)
     except _PUBLISH_ERRORS as exc:
         broker_breaker.record_failure(exc)
         logger.warning("%s not enqueued (%s): the sweeper will", what, exc)
@@ -149,9 +153,7 @@ def order_placed(order_pk: int) -> None:
 
 def publish_orders(order_pks: list[int]) -> bool:
     """Publish one task that enqueues every order's own task; False if the broker is down."""
-    from .tasks import dispatch_orders_task
-
-    return _publish(dispatch_orders_task, order_pks, what=f"{len(order_pks)} orders")
+    return _publish(DISPATCH_ORDERS_TASK, order_pks, what=f"{len(order_pks)} orders")
 
 
 def simulate_payment(order: Order) -> bool:

@@ -11,7 +11,9 @@ from functools import cache
 from django.conf import settings
 from django.utils.module_loading import import_string
 
+from ..breaker import breaker
 from .base import Allocation, RecordOrder, StockStrategy
+from .fallback import RedisWithFallback
 
 __all__ = ["Allocation", "RecordOrder", "StockStrategy", "get_strategy", "strategy_names"]
 
@@ -36,9 +38,6 @@ def _bare_strategy(name: str) -> StockStrategy:
 @cache
 def get_strategy(name: str) -> StockStrategy:
     """The strategy called `name`, behind the database fallback if it needs Redis."""
-    from ..breaker import breaker
-    from .fallback import RedisWithFallback
-
     strategy = _bare_strategy(name)
     if strategy.uses_redis:
         return RedisWithFallback(strategy, _bare_strategy(FALLBACK_STRATEGY), breaker)
