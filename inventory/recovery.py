@@ -6,7 +6,7 @@ from __future__ import annotations
 from .breaker import redis_recovery
 from .models import Item
 from .strategies import get_strategy
-from .strategies.lock import release_unsettled_locks
+from .strategies.plumbing import release_unsettled_locks
 
 
 def rebuild_redis_state() -> None:

@@ -1,4 +1,4 @@
-"""The one place that builds the shop's Redis client and names its keys."""
+"""The one place that builds the shop's Redis client (its keys: `inventory.keys`)."""
 
 from __future__ import annotations
 
@@ -41,8 +41,3 @@ def get_redis_client() -> redis.Redis:
                 )
                 _clients[key] = client
     return client
-
-
-def redis_key(*parts: object) -> str:
-    """A namespaced key: `<FLASHSALE_REDIS_PREFIX>:part:part...`."""
-    return ":".join([settings.FLASHSALE_REDIS_PREFIX, *map(str, parts)])

@@ -13,7 +13,7 @@ from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 from django.db.models import F
 
-from . import stock
+from . import keys, stock
 from .exceptions import (
     Busy,
     CheckoutError,
@@ -25,7 +25,7 @@ from .exceptions import (
 )
 from .models import Item, Order, Sale, StockShard
 from .orders import order_placed
-from .redis_client import REDIS_DOWN_ERRORS, get_redis_client, redis_key
+from .redis_client import REDIS_DOWN_ERRORS, get_redis_client
 from .selectors import database_now
 from .stock import split_stock
 from .strategies import get_strategy, strategy_names
@@ -389,10 +389,10 @@ def warm_redis(item: Item) -> bool:
     """
     client = get_redis_client()
     try:
-        current = redis_key("item", item.sku, "sale", item.current_sale_id, "")
+        current = keys.current_sale_prefix(item)
         stale = [
             key
-            for key in client.scan_iter(match=redis_key("item", item.sku, "sale", "*"), count=500)
+            for key in client.scan_iter(match=keys.every_sale_pattern(item), count=500)
             if not key.decode().startswith(current)
         ]
         if stale:

@@ -18,8 +18,9 @@ sale. Contenders, all in one run so that every figure has its baseline measured 
   that shards are for;
 - peers: redis-py's `redis.lock.Lock` and python-redis-lock's `redis_lock.Lock` running the very
   code of the `lock` strategy (`LockStrategy.take`: its pre-check, the guarded sale statement,
-  its release), with only the lock object swapped: the buyer processes replace
-  `inventory.strategies.lock.new_lock`, so nothing but the lock differs. Same TTL and wait as
+  its release), with only the lock object swapped: the buyer processes set
+  FLASHSALE_LOCK_FACTORY (the seam through which the strategies build their locks) to a
+  factory of `loadtest/peer_locks.py`, so nothing but the lock differs. Same TTL and wait as
   ours (FLASHSALE_LOCK_TTL_MS / FLASHSALE_LOCK_WAIT_MS); redis-py with its default poll `sleep`
   of 0.1 s and with 0.005 s; python-redis-lock without and with `auto_renewal` (the
   counterpart of our watchdog, which `lock` runs with);
@@ -56,7 +57,6 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import django
@@ -80,22 +80,20 @@ class Peer:
 
     name: str
     label: str
-    library: str  # "redis-py" or "python-redis-lock"
-    sleep: float | None = None  # redis-py's poll interval
-    auto_renewal: bool = False  # python-redis-lock's watchdog
+    #: What FLASHSALE_LOCK_FACTORY names in the buyer processes (loadtest/peer_locks.py).
+    factory: str
 
 
 PEERS = {
     peer.name: peer
     for peer in [
-        Peer("redis-py", REDIS_PY_DEFAULT, "redis-py", sleep=0.1),
-        Peer("redis-py-5ms", "redis-py Lock sleep=0.005", "redis-py", sleep=0.005),
-        Peer("python-redis-lock", PYTHON_REDIS_LOCK, "python-redis-lock"),
+        Peer("redis-py", REDIS_PY_DEFAULT, "loadtest.peer_locks.redis_py"),
+        Peer("redis-py-5ms", "redis-py Lock sleep=0.005", "loadtest.peer_locks.redis_py_5ms"),
+        Peer("python-redis-lock", PYTHON_REDIS_LOCK, "loadtest.peer_locks.python_redis_lock"),
         Peer(
             "python-redis-lock-renewal",
             "python-redis-lock renewal",
-            "python-redis-lock",
-            auto_renewal=True,
+            "loadtest.peer_locks.python_redis_lock_renewal",
         ),
     ]
 }
@@ -327,84 +325,6 @@ def _redis_cpu_seconds() -> float | None:
     return float(info.get("used_cpu_user", 0)) + float(info.get("used_cpu_sys", 0))
 
 
-# -- the peer locks, behind the interface the `lock` strategy calls -------------------------
-
-
-def _peer_lock_factory(peer: Peer) -> Callable[[str], Any]:
-    """A replacement for `inventory.strategies.lock.new_lock` that builds the peer's lock.
-
-    The strategy calls `acquire(token=..., **options)`, `release()`, reads `local.token`,
-    `name` and `lost`, and calls `owned()`; TTL and wait come from the same settings as ours.
-    """
-    import redis.lock
-    from django.conf import settings
-    from redis.exceptions import LockNotOwnedError
-
-    from inventory.redis_client import get_redis_client
-
-    ttl = settings.FLASHSALE_LOCK_TTL_MS / 1000
-    wait = settings.FLASHSALE_LOCK_WAIT_MS / 1000
-
-    if peer.library == "redis-py":
-
-        class RedisPyLock(redis.lock.Lock):
-            lost = False  # nothing watches a redis-py lock: no renewal to fail
-
-        def new_redis_py_lock(name: str) -> RedisPyLock:
-            return RedisPyLock(
-                get_redis_client(),
-                name,
-                timeout=ttl,
-                sleep=peer.sleep,
-                blocking=True,
-                blocking_timeout=wait,
-            )
-
-        return new_redis_py_lock
-
-    import redis_lock
-
-    class PythonRedisLock:
-        lost = False  # python-redis-lock's renewal thread reports nothing
-
-        def __init__(self, name: str) -> None:
-            self.name = name
-            self.local = SimpleNamespace(token=None)
-            # Its expiry and wait are whole seconds; ours are 5 s by default.
-            self._lock = redis_lock.Lock(
-                get_redis_client(),
-                name,
-                expire=max(1, round(ttl)),
-                auto_renewal=peer.auto_renewal,
-            )
-
-        def acquire(
-            self,
-            token: bytes | None = None,
-            blocking: bool = True,
-            blocking_timeout: float | None = None,
-        ) -> bool:
-            timeout = wait if blocking_timeout is None else blocking_timeout
-            acquired = self._lock.acquire(
-                blocking=blocking, timeout=max(1, round(timeout)) if blocking else None
-            )
-            if acquired:
-                self.local.token = self._lock.id
-            return acquired
-
-        def release(self) -> None:
-            self.local.token = None
-            try:
-                self._lock.release()
-            except redis_lock.NotAcquired as exc:
-                raise LockNotOwnedError(str(exc), lock_name=self.name) from None
-
-        def owned(self) -> bool:
-            return self._lock.get_owner_id() == self._lock.id
-
-    return PythonRedisLock
-
-
 # -- where the time goes (--profile) ----------------------------------------------------------
 
 
@@ -412,7 +332,7 @@ class _Probe:
     """Times, inside one buyer process, the phases that can serialize checkouts.
 
     - lock wait / lock held: from asking for the Redis lock (item lock, shard lock, or a peer's
-      lock: whatever `inventory.strategies.lock.acquire_lock` is handed) to getting it, and
+      lock: whatever `inventory.strategies.plumbing.acquire_lock` is handed) to getting it, and
       from getting it to its release;
     - sale write: the one statement of `inventory.stock.sell` (guarded decrements, order row,
       commit), which waits for the item row while another sale holds it;
@@ -555,17 +475,18 @@ def _buy_from_hot_row(sku: str, label: str, worker: int) -> Callable[[], bool]:
 def _buy_by_evalsha_and_sell(sku: str, label: str, worker: int) -> Callable[[], bool]:
     """The durable floor of `lua`: its take script (one EVALSHA over the sale's stripe
     counters), then the sale statement on the stripe it names, and nothing else."""
+    from inventory import keys
     from inventory.models import Item
     from inventory.stock import sell
-    from inventory.strategies import rows
+    from inventory.strategies import plumbing
 
     item = Item.objects.get(sku=sku)
-    counter = rows.counter()
-    keys, cursor = rows.row_keys(item), rows.sale_key(item, "turn")
+    counter = plumbing.counter()
+    counters, cursor = keys.rows(item), keys.turn(item)
     serial = iter(range(10**9))
 
     def buy() -> bool:
-        plan = counter.take_spread(cursor, keys, 1)
+        plan = counter.take_spread(cursor, counters, 1)
         if plan is None:
             raise RuntimeError(f"the stripe counters of {sku} are missing")
         if not plan:
@@ -618,9 +539,8 @@ def _buyer(
         if contender.hold_ms is not None:
             settings.FLASHSALE_HOLD_DELAY_MS = contender.hold_ms
         if contender.kind == "peer":
-            import inventory.strategies.lock as lock_strategy
-
-            lock_strategy.new_lock = _peer_lock_factory(contender.peer)
+            # The seam the strategies build their locks through: nothing else differs.
+            settings.FLASHSALE_LOCK_FACTORY = contender.peer.factory
         if contender.name == EVALSHA:
             buy = _buy_by_evalsha(contender.sku)
         else:
@@ -1074,7 +994,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import inventory.services  # noqa: F401
     import inventory.strategies.lock  # noqa: F401
-    from inventory.redis_client import redis_key
+    from inventory.keys import key as redis_key
     from shop.celery import app
 
     settings.FLASHSALE_HOLD_DELAY_MS = args.hold_ms

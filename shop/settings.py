@@ -196,6 +196,9 @@ FLASHSALE_MAX_QTY = env.int("FLASHSALE_MAX_QTY", default=100)
 FLASHSALE_LOCK_TTL_MS = env.int("FLASHSALE_LOCK_TTL_MS", default=5000)
 FLASHSALE_LOCK_WAIT_MS = env.int("FLASHSALE_LOCK_WAIT_MS", default=5000)
 FLASHSALE_LOCK_WATCHDOG = env.bool("FLASHSALE_LOCK_WATCHDOG", default=True)
+# What builds the strategies' locks (a dotted path; `locking.Lock`, ours, by default): the seam
+# through which the benchmark runs `lock` with a peer's lock (inventory.strategies.plumbing).
+FLASHSALE_LOCK_FACTORY = env.str("FLASHSALE_LOCK_FACTORY", default="locking.Lock")
 # Pitfall toggle: False makes `lock` write back the stock it read instead of a version-checked
 # UPDATE, which oversells as soon as a lock expires mid-work. Never turn off outside a demo.
 FLASHSALE_LOCK_GUARDED_WRITE = env.bool("FLASHSALE_LOCK_GUARDED_WRITE", default=True)

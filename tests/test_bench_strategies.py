@@ -72,3 +72,54 @@ def test_a_tiny_run_prints_every_contender_and_no_safe_one_oversells(django_db_s
         assert results[name]["errors"] == [], results[name]["errors"]
         assert results[name]["sold"] == results[name]["accepted_units"] <= STOCK, results[name]
     assert json.loads(report.read_text())["broken"] == []
+
+
+@pytest.mark.parametrize("peer", list(PEERS))
+def test_a_peer_row_builds_the_peers_lock_through_the_strategies_seam(settings, peer):
+    from django.utils.module_loading import import_string
+
+    from inventory.strategies import plumbing
+    from loadtest import peer_locks
+
+    expected = {
+        "redis-py": peer_locks.RedisPyLock,
+        "redis-py-5ms": peer_locks.RedisPyLock,
+        "python-redis-lock": peer_locks.PythonRedisLock,
+        "python-redis-lock-renewal": peer_locks.PythonRedisLock,
+    }[peer]
+    assert import_string(PEERS[peer].factory)  # the path resolves
+    settings.FLASHSALE_LOCK_FACTORY = PEERS[peer].factory
+    lock = plumbing.new_lock("bench-seam-test")
+    assert type(lock) is expected and lock.name == "bench-seam-test"
+    settings.FLASHSALE_LOCK_FACTORY = "locking.Lock"
+    assert type(plumbing.new_lock("bench-seam-test")).__module__ == "locking.lock"
+
+
+def test_the_lock_strategy_runs_a_peers_lock_when_the_seam_names_it(settings):
+    # python-redis-lock keeps its lock under `lock:<name>`; ours under the name itself
+    import threading
+
+    from inventory import keys
+    from inventory.models import Item
+    from inventory.redis_client import get_redis_client
+    from inventory.services import place_order, start_sale
+
+    settings.FLASHSALE_LOCK_FACTORY = PEERS["python-redis-lock"].factory
+    settings.FLASHSALE_HOLD_DELAY_MS = 400  # work inside the critical section: time to look
+    start_sale(sku="seam", stock=2, strategy="lock")
+    name = keys.item_lock(Item.objects.get(sku="seam"))
+    client = get_redis_client()
+    seen = []
+
+    def look() -> None:
+        for _ in range(60):
+            seen.append((client.exists(f"lock:{name}"), client.exists(name)))
+            threading.Event().wait(0.01)
+
+    watcher = threading.Thread(target=look)
+    watcher.start()
+    place_order(sku="seam", qty=1, buyer="ann")
+    watcher.join()
+    assert (1, 0) in seen  # held, the peer's way
+    assert (0, 1) not in seen  # never ours
+    assert Item.objects.get(sku="seam").units_left == 1

@@ -9,12 +9,12 @@ import uuid
 
 import pytest
 
-from inventory import stock
+from inventory import keys, stock
 from inventory.exceptions import Busy
 from inventory.models import BuyerAllowance, Item, Order
 from inventory.selectors import audit_sale
 from inventory.services import place_order, start_sale
-from inventory.strategies import rows
+from inventory.strategies import plumbing
 from loadtest.flood import flood
 from locking.combining import GroupCommit, Queued
 from tests.conftest import start_shop
@@ -122,7 +122,7 @@ def test_a_taker_no_combiner_answers_withdraws_and_gets_its_units_back(settings)
     settings.FLASHSALE_GROUP_COMMIT_WAIT_MS = 300
     start_sale(sku="stalled", stock=10, strategy="lua")
     item = Item.objects.get(sku="stalled")
-    group = rows.group_commit(item)
+    group = plumbing.group_commit(item)
     group.redis.set(group.lock, "a-dead-combiner", px=60_000)
 
     # When a buyer checks out: its sale is queued and nobody writes it
@@ -141,8 +141,8 @@ def test_a_taker_no_combiner_answers_withdraws_and_gets_its_units_back(settings)
 def test_a_combiner_hands_the_lock_to_the_oldest_waiting_taker():
     start_sale(sku="handoff", stock=10, strategy="lua")
     item = Item.objects.get(sku="handoff")
-    group: GroupCommit = rows.group_commit(item)
-    take = {"cursor": rows.sale_key(item, "turn"), "counters": rows.row_keys(item), "qty": 1}
+    group: GroupCommit = plumbing.group_commit(item)
+    take = {"cursor": keys.turn(item), "counters": keys.rows(item), "qty": 1}
 
     # Given a combiner and a taker who queued behind it
     first = group.take_and_enqueue(request={"buyer": "a"}, **take)

@@ -11,12 +11,12 @@ from django.core.management import call_command
 from django.utils import timezone
 
 from inventory import orders
+from inventory.keys import row as row_key
 from inventory.models import BuyerAllowance, Item, Order, OrderStatus, PaymentAttempt
 from inventory.redis_client import get_redis_client
 from inventory.selectors import audit_sale
 from inventory.services import place_order, start_sale
 from inventory.strategies import get_strategy
-from inventory.strategies.rows import row_key
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.embedded_smoke]
 

@@ -15,7 +15,7 @@ from inventory.models import Item, Order
 from inventory.orders import reconcile_sale
 from inventory.selectors import audit_sale
 from inventory.services import place_order, start_sale
-from inventory.strategies import rows
+from inventory.strategies import plumbing
 from loadtest.flood import flood
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -51,7 +51,7 @@ def test_lua_counters_set_too_high_are_refused_by_the_database(settings, group_c
     sku = f"too-high-{uuid.uuid4().hex[:6]}"
     start_sale(sku=sku, stock=20, strategy="lua")
     item = Item.objects.get(sku=sku)
-    rows.write_rows(item, {index: 1000 for index in range(item.shard_count)})
+    plumbing.write_rows(item, {index: 1000 for index in range(item.shard_count)})
 
     # When 16 threads buy one unit each until they are told sold out
     def buyer(number: int) -> int:

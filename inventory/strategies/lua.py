@@ -35,15 +35,15 @@ from django.db import IntegrityError, connection
 from locking import Claim, KeyClaimed
 from locking.combining import GroupCommit, Queued
 
-from .. import stock
+from .. import keys, stock
 from ..breaker import breaker
 from ..exceptions import Busy, LimitReached, SoldOut
 from ..models import Item, Order
 from ..redis_client import REDIS_DOWN_ERRORS, get_redis_client
 from ..stock import HalfDone, Sold, back_off, plan_rows, shard_stocks, simulate_work
-from . import rows
+from . import plumbing
 from .base import Allocation, RecordOrder, StockStrategy
-from .rows import add_to_rows
+from .plumbing import add_to_rows
 
 logger = logging.getLogger(__name__)
 
@@ -70,14 +70,14 @@ def _claim(item: Item, record: RecordOrder) -> Claim | None:
     if not record.idempotency_key:
         return None
     return Claim(
-        key=rows.sale_key(item, "claim", record.idempotency_key),
+        key=keys.claim(item, record.idempotency_key),
         ttl_ms=settings.FLASHSALE_LOCK_TTL_MS,
     )
 
 
 def _release(claim: Claim) -> None:
     try:
-        rows.counter().release_claim(claim)
+        plumbing.counter().release_claim(claim)
     except REDIS_DOWN_ERRORS:
         pass  # it expires on its own; meanwhile a twin waits or is answered busy
 
@@ -134,11 +134,11 @@ class LuaStrategy(StockStrategy):
                 _release(claim)
 
     def _take(self, item: Item, qty: int, record: RecordOrder, claim: Claim | None) -> Order:
-        counter = rows.counter()
-        keys = rows.row_keys(item)
-        cursor = rows.sale_key(item, "turn")
+        counter = plumbing.counter()
+        counters = keys.rows(item)
+        cursor = keys.turn(item)
         for _ in range(ATTEMPTS):
-            plan = _taken(item, lambda: counter.take_spread(cursor, keys, qty, claim=claim))
+            plan = _taken(item, lambda: counter.take_spread(cursor, counters, qty, claim=claim))
             if not plan:
                 raise SoldOut(sku=item.sku, requested=qty)
             sold = self._record(item, plan, record)
@@ -151,15 +151,15 @@ class LuaStrategy(StockStrategy):
     def _take_grouped(
         self, item: Item, qty: int, record: RecordOrder, claim: Claim | None
     ) -> Order:
-        group = rows.group_commit(item)
-        keys = rows.row_keys(item)
-        cursor = rows.sale_key(item, "turn")
+        group = plumbing.group_commit(item)
+        counters = keys.rows(item)
+        cursor = keys.turn(item)
         request = record.request(served_by=self.name)
         for _ in range(ATTEMPTS):
             queued = _taken(
                 item,
                 lambda: group.take_and_enqueue(
-                    cursor=cursor, counters=keys, qty=qty, request=request, claim=claim
+                    cursor=cursor, counters=counters, qty=qty, request=request, claim=claim
                 ),
             )
             if not isinstance(queued, Queued):
@@ -255,19 +255,19 @@ class LuaStrategy(StockStrategy):
         levels = shard_stocks(item.current_sale_id)
         pipe = get_redis_client().pipeline(transaction=False)
         for index, units in levels.items():
-            pipe.set(rows.row_key(item, index), units, nx=True)
+            pipe.set(keys.row(item, index), units, nx=True)
         pipe.execute()
 
     def _resync(self, item: Item) -> None:
         try:
-            rows.sync_rows(item)
+            plumbing.sync_rows(item)
         except REDIS_DOWN_ERRORS as exc:
             breaker.record_failure(exc)
             logger.warning("could not resync %s from the database: Redis is down", item.sku)
 
     def _give_back(self, item: Item, plan: dict[int, int]) -> None:
         try:
-            rows.counter().give_back_many({rows.row_key(item, i): u for i, u in plan.items()})
+            plumbing.counter().give_back_many({keys.row(item, i): u for i, u in plan.items()})
         except REDIS_DOWN_ERRORS as exc:
             breaker.record_failure(exc)
             # The counters are now low; rebuilding them from the database when Redis is
@@ -275,13 +275,13 @@ class LuaStrategy(StockStrategy):
             logger.warning("could not give %s units of %s back: Redis is down", plan, item.sku)
 
     def sync_redis(self, *, item: Item) -> None:
-        rows.sync_rows(item)
+        plumbing.sync_rows(item)
 
     def return_units(self, *, item: Item, order: Order) -> None:
-        rows.give_back_rows(item, order)
+        plumbing.give_back_rows(item, order)
 
     def add_units(self, *, item: Item, units: int, rows: dict[int, int]) -> None:
         add_to_rows(item, rows)
 
     def redis_stock(self, *, item: Item) -> int | None:
-        return rows.rows_total(item)
+        return plumbing.rows_total(item)

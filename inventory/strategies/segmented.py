@@ -25,43 +25,33 @@ import logging
 import random
 import time
 import uuid
-from functools import lru_cache
 
 from django.conf import settings
 
 from locking import Lock
 
+from .. import keys
 from ..breaker import breaker
 from ..exceptions import Busy, SoldOut
 from ..models import Item, Order
-from ..redis_client import REDIS_DOWN_ERRORS, redis_key
+from ..redis_client import REDIS_DOWN_ERRORS
 from ..stock import HalfDone, ensure_current, shard_stocks, simulate_work
-from . import rows
+from . import plumbing
 from .base import Allocation, RecordOrder, StockStrategy
-from .lock import (
+from .plumbing import (
     acquire_lock,
+    add_to_rows,
     ensure_still_held,
     new_lock,
     release_quietly,
     remember_unsettled,
 )
-from .rows import add_to_rows
 
 logger = logging.getLogger(__name__)
 
 
 def shard_lock(item: Item, index: int) -> Lock:
-    return new_lock(shard_lock_names(item)[index])
-
-
-def shard_lock_names(item: Item) -> list[str]:
-    return list(_shard_lock_names(settings.FLASHSALE_REDIS_PREFIX, item.sku, item.shard_count))
-
-
-@lru_cache(maxsize=1024)
-def _shard_lock_names(prefix: str, sku: str, count: int) -> tuple[str, ...]:
-    # (`prefix` keys the cache: redis_key reads the same setting.)
-    return tuple(redis_key("lock", "item", sku, "shard", index) for index in range(count))
+    return new_lock(keys.shard_locks(item)[index])
 
 
 class SegmentedStrategy(StockStrategy):
@@ -82,7 +72,7 @@ class SegmentedStrategy(StockStrategy):
             # Redis lost the hints, or a restart dropped this sale's: only rebuild a current
             # sale's.
             ensure_current(item)
-            hints, picked = rows.sync_rows(item), -1
+            hints, picked = plumbing.sync_rows(item), -1
         if sum(hints) < qty:
             raise SoldOut(sku=item.sku, requested=qty, remaining=sum(hints))
 
@@ -132,10 +122,10 @@ class SegmentedStrategy(StockStrategy):
         script: (its index, or -1 if none; every shard's hint; the lock's owner token), or
         (None, [], token) when the hints are missing."""
         token = uuid.uuid4().hex
-        names = shard_lock_names(item)
+        names = keys.shard_locks(item)
         try:
-            picked, hints = rows.counter().lock_first_holding(
-                rows.row_keys(item),
+            picked, hints = plumbing.counter().lock_first_holding(
+                keys.rows(item),
                 names,
                 qty,
                 start=start,
@@ -163,7 +153,7 @@ class SegmentedStrategy(StockStrategy):
             levels = shard_stocks(item.current_sale_id)
             if sum(levels.values()) < qty:
                 ensure_current(item)
-                rows.write_rows(item, levels)
+                plumbing.write_rows(item, levels)
                 raise SoldOut(sku=item.sku, requested=qty, remaining=sum(levels.values()))
             plan: dict[int, int] = {}
             needed = qty
@@ -215,19 +205,19 @@ class SegmentedStrategy(StockStrategy):
 
     def _write_hints_quietly(self, item: Item, levels: dict[int, int]) -> None:
         try:
-            rows.write_rows(item, levels)
+            plumbing.write_rows(item, levels)
         except REDIS_DOWN_ERRORS as exc:
             breaker.record_failure(exc)
             logger.warning("could not update %s shard hints: Redis is down", item.sku)
 
     def sync_redis(self, *, item: Item) -> None:
-        rows.sync_rows(item)
+        plumbing.sync_rows(item)
 
     def return_units(self, *, item: Item, order: Order) -> None:
-        rows.give_back_rows(item, order)
+        plumbing.give_back_rows(item, order)
 
     def add_units(self, *, item: Item, units: int, rows: dict[int, int]) -> None:
         add_to_rows(item, rows)
 
     def redis_stock(self, *, item: Item) -> int | None:
-        return rows.rows_total(item)
+        return plumbing.rows_total(item)
