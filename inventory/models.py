@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+from django.conf import settings
 from django.contrib.postgres.functions import RandomUUID
 from django.db import models
 from django.db.models import Q
@@ -19,12 +20,13 @@ from django.utils import timezone
 SKU_PATTERN = re.compile(r"[-a-zA-Z0-9_]{1,64}")
 
 
-class Strategy(models.TextChoices):
-    LOCK = "lock", "lock: one Redis lock per item"
-    SEGMENTED = "segmented", "segmented: 10 shards, one Redis lock each"
-    LUA = "lua", "lua: atomic check-and-DECRBY script"
-    OPTIMISTIC = "optimistic", "optimistic: version-checked UPDATE"
-    UNSAFE = "unsafe", "unsafe: read-modify-write, no lock (oversells)"
+def default_strategy() -> str:
+    """What an item sells by until a sale names one (FLASHSALE_DEFAULT_STRATEGY)."""
+    return settings.FLASHSALE_DEFAULT_STRATEGY
+
+
+# Strategy names are validated where they come in (`inventory.strategies.strategy_names`, the
+# one list); the fields hold the name and carry no choices of their own to keep in step.
 
 
 class ItemQuerySet(models.QuerySet):
@@ -56,7 +58,7 @@ class Item(models.Model):
         "`sale reconcile`: its units left are the sum of its rows (units_left).",
     )
     version = models.BigIntegerField(default=0, help_text="Bumped by every stock write.")
-    strategy = models.CharField(max_length=16, choices=Strategy.choices, default=Strategy.LOCK)
+    strategy = models.CharField(max_length=16, default=default_strategy)
     per_buyer_limit = models.PositiveIntegerField(
         null=True, blank=True, help_text="Most units one buyer may hold; empty for no limit."
     )
@@ -139,7 +141,7 @@ class Sale(models.Model):
     added_stock = models.PositiveIntegerField(
         default=0, help_text="Units added to the running sale by `sale restock`."
     )
-    strategy = models.CharField(max_length=16, choices=Strategy.choices)
+    strategy = models.CharField(max_length=16)
     per_buyer_limit = models.PositiveIntegerField(null=True, blank=True)
     started_at = models.DateTimeField(auto_now_add=True)
     opens_at = models.DateTimeField(
@@ -185,7 +187,6 @@ class Order(models.Model):
     idempotency_key = models.CharField(max_length=128, null=True, blank=True, unique=True)
     served_by = models.CharField(
         max_length=16,
-        choices=Strategy.choices,
         help_text="The strategy that took the units (optimistic when the fallback served).",
     )
     fallback = models.BooleanField(default=False, help_text="Served while Redis was down.")

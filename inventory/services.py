@@ -109,7 +109,7 @@ def _sell_once(
         item=item, qty=qty, buyer=buyer, idempotency_key=idempotency_key, limit=limit
     )
     try:
-        return get_strategy(item.strategy).take(item=item, qty=qty, buyer=buyer, record=record)
+        return get_strategy(item.strategy).take(item=item, qty=qty, record=record)
     except stock.RowLockTimeout:
         raise Busy(
             f"{sku}: its stock rows stayed locked by another transaction for "
@@ -235,14 +235,14 @@ def start_sale(
     *,
     sku: str,
     stock: int,
-    strategy: str,
+    strategy: str | None = None,
     limit: int | None = None,
     name: str | None = None,
     price: Decimal | None = None,
     opens_in: float = 0,
 ) -> Sale:
     """(Re)start the sale of sku: create the item if new, open a new sale with its stock,
-    strategy and limit (and stock rows of its own when the strategy keeps them), and warm Redis
+    strategy (FLASHSALE_DEFAULT_STRATEGY when none is named) and limit (and stock rows of its own when the strategy keeps them), and warm Redis
     once committed. Earlier sales keep their orders, stock rows and allowances as history.
 
     Safe while checkouts of the previous sale are in flight: the item row is locked without
@@ -252,6 +252,7 @@ def start_sale(
 
     Raises InvalidRequest for a bad argument; nothing is written then.
     """
+    strategy = strategy or settings.FLASHSALE_DEFAULT_STRATEGY
     _validate_sale(sku=sku, stock=stock, strategy=strategy, limit=limit, price=price)
     longest = Item._meta.get_field("name").max_length
     if name is not None and (len(name) > longest or not name.isprintable()):

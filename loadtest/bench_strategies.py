@@ -61,8 +61,6 @@ from typing import Any
 
 import django
 
-STRATEGIES = ["lock", "segmented", "lua", "optimistic", "unsafe"]
-SAFE_EXCEPTIONS = {"unsafe"}
 EVALSHA = "raw EVALSHA"
 EVALSHA_SELL = "take + row sale (SQL)"
 HOT_ROW = "hot row (SQL)"
@@ -227,8 +225,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--strategies",
         nargs="+",
-        default=STRATEGIES,
-        help="strategies to run, space- or comma-separated (all five)",
+        default=[],
+        help="strategies to run, space- or comma-separated (default: every strategy)",
     )
     parser.add_argument(
         "--hold-ms",
@@ -759,10 +757,10 @@ def _group_commit() -> bool:
 
 
 def contenders_for(args: argparse.Namespace) -> list[Contender]:
+    from inventory.strategies import oversells
+
     contenders = [
-        Contender(
-            name, "strategy", f"bench-{name}", safe=name not in SAFE_EXCEPTIONS, strategy=name
-        )
+        Contender(name, "strategy", f"bench-{name}", safe=not oversells(name), strategy=name)
         for name in args.strategies
     ]
     if "lua" in args.strategies:
@@ -968,6 +966,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from inventory.strategies import strategy_names
 
+    args.strategies = args.strategies or strategy_names()
     unknown = sorted(set(args.strategies) - set(strategy_names()))
     if unknown:
         print(f"error: unknown strategies: {', '.join(unknown)}", file=sys.stderr)

@@ -52,14 +52,12 @@ from inventory.models import LIVE_STATUSES, Item, Order, SaleRun
 from inventory.orders import OPEN_STATUSES
 from inventory.selectors import audit_sale
 from inventory.services import start_sale
-from inventory.strategies import strategy_names
+from inventory.strategies import oversells, strategy_names
 
 from .report import BASELINE, summary_line, write_report
 from .server import PROJECT_DIR, CeleryWorker, ShopServer
 
 LOCUSTFILE = PROJECT_DIR / "loadtest" / "locustfile.py"
-#: The strategy whose oversell is the point; every other one must never oversell.
-UNSAFE = "unsafe"
 #: Locust exit code for a run whose audit found oversell (see the locustfile).
 OVERSOLD_EXIT_CODE = 3
 HTTP_TYPES = {"GET", "POST"}
@@ -474,7 +472,7 @@ def _locust(
         command += ["--warmup-share", "0"]
     if until_sold_out:
         command.append("--until-sold-out")
-    if run.strategy == UNSAFE:
+    if oversells(run.strategy):  # its oversell is the point
         command.append("--allow-oversell")
     if config.workers > 1:
         command += ["--processes", str(config.workers)]

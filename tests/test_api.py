@@ -9,7 +9,7 @@ from datetime import timedelta
 from threading import Barrier
 
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.db import connection
 from django.test import Client
 from django.utils import timezone
@@ -375,3 +375,22 @@ def test_orders_are_named_by_unguessable_ids(client):
     assert str(Order.objects.get(buyer="ann").public_id) == first
     assert client.get(f"/api/orders/{Order.objects.get(buyer='bob').pk}").status_code == 404
     assert client.get(f"/api/orders/{second}").json()["buyer"] == "bob"
+
+
+def test_a_sale_started_without_a_strategy_takes_the_default(settings, capsys):
+    settings.FLASHSALE_DEFAULT_STRATEGY = "segmented"
+    call_command("sale", "start", "widget", "--stock", "20")
+    assert "through segmented" in capsys.readouterr().out
+    assert Item.objects.get(sku="widget").shard_count == settings.FLASHSALE_SHARDS
+    settings.FLASHSALE_DEFAULT_STRATEGY = "fastest"
+    with pytest.raises(CommandError, match="unknown strategy 'fastest'"):
+        call_command("sale", "start", "gadget", "--stock", "20")
+    assert not Item.objects.filter(sku="gadget").exists()
+
+
+def test_each_strategy_says_what_it_is_in_one_place(settings):
+    from inventory.strategies import oversells, safe_strategy_names, strategy_label
+
+    assert safe_strategy_names() == ["lock", "segmented", "lua", "optimistic"]
+    assert oversells("unsafe") and not oversells("lua") and not oversells("baseline")
+    assert strategy_label("segmented").startswith(f"{settings.FLASHSALE_SHARDS} shards")

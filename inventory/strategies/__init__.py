@@ -15,13 +15,36 @@ from ..breaker import breaker
 from .base import Allocation, RecordOrder, StockStrategy
 from .fallback import RedisWithFallback
 
-__all__ = ["Allocation", "RecordOrder", "StockStrategy", "get_strategy", "strategy_names"]
+__all__ = [
+    "Allocation",
+    "RecordOrder",
+    "StockStrategy",
+    "get_strategy",
+    "oversells",
+    "safe_strategy_names",
+    "strategy_label",
+    "strategy_names",
+]
 
 FALLBACK_STRATEGY = "optimistic"
 
 
 def strategy_names() -> list[str]:
     return list(settings.FLASHSALE_STRATEGIES)
+
+
+def safe_strategy_names() -> list[str]:
+    """The strategies that must never oversell (all but the `oversells` baseline)."""
+    return [name for name in strategy_names() if not _bare_strategy(name).oversells]
+
+
+def oversells(name: str) -> bool:
+    """Whether `name` may oversell by design; False for anything that is no strategy."""
+    return name in settings.FLASHSALE_STRATEGIES and _bare_strategy(name).oversells
+
+
+def strategy_label(name: str) -> str:
+    return _bare_strategy(name).label
 
 
 @cache

@@ -78,6 +78,11 @@ class StockStrategy(ABC):
     """
 
     name: ClassVar[str]
+    #: What it does, in a few words (the admin and the docs show it beside the name).
+    label: ClassVar[str]
+    #: Whether it may sell more than the stock (`unsafe`, the baseline that shows the damage):
+    #: every other strategy must never oversell, and the tools fail a run where one does.
+    oversells: ClassVar[bool] = False
     #: Whether the strategy needs Redis (and so runs behind the database fallback).
     uses_redis: ClassVar[bool] = False
     #: Whether the strategy keeps a count of the units left in Redis (checked by the audit).
@@ -90,7 +95,7 @@ class StockStrategy(ABC):
     item_may_be_remembered: ClassVar[bool] = False
 
     @abstractmethod
-    def take(self, *, item: Item, qty: int, buyer: str, record: RecordOrder) -> Order:
+    def take(self, *, item: Item, qty: int, record: RecordOrder) -> Order:
         """Take qty units of item for buyer and record the order; see the class contract."""
 
     def sync_redis(self, *, item: Item) -> None:  # noqa: B027 - optional hook

@@ -25,19 +25,21 @@ class RedisWithFallback(StockStrategy):
         self.fallback = fallback
         self.breaker = breaker
         self.name = primary.name
+        self.label = primary.label
+        self.oversells = primary.oversells
         self.shard_count = primary.shard_count
         self.counts_in_redis = primary.counts_in_redis
         # The fallback decides from the database rows of the sale (and refuses a sale that is
         # no longer current) just as well.
         self.item_may_be_remembered = primary.item_may_be_remembered
 
-    def take(self, *, item: Item, qty: int, buyer: str, record: RecordOrder) -> Order:
+    def take(self, *, item: Item, qty: int, record: RecordOrder) -> Order:
         if self.breaker.allow():
             try:
-                return self.primary.take(item=item, qty=qty, buyer=buyer, record=record)
+                return self.primary.take(item=item, qty=qty, record=record)
             except REDIS_DOWN_ERRORS as exc:
                 self.breaker.record_failure(exc)
-        return self.fallback.take(item=item, qty=qty, buyer=buyer, record=record.as_fallback())
+        return self.fallback.take(item=item, qty=qty, record=record.as_fallback())
 
     def sync_redis(self, *, item: Item) -> None:
         self.primary.sync_redis(item=item)

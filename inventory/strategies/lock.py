@@ -23,13 +23,14 @@ class LockStrategy(StockStrategy):
     """
 
     name = "lock"
+    label = "one Redis lock per item"
     uses_redis = True
     # Its write refuses a sale restarted since the item was read, and the stock it checks
     # before taking the lock is only a shortcut (kept up to date by each sale of this process,
     # read again before a sold-out answer).
     item_may_be_remembered = True
 
-    def take(self, *, item: Item, qty: int, buyer: str, record: RecordOrder) -> Order:
+    def take(self, *, item: Item, qty: int, record: RecordOrder) -> Order:
         # The stock read with the item (or left by the last sale of this process), no decision:
         # it spares the lock once the item is gone. A remembered read may be old, so "gone" is
         # read again from the database before it is answered.

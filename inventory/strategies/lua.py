@@ -114,6 +114,7 @@ def _taken(item: Item, take: Callable[[], T | None]) -> T:
 
 class LuaStrategy(StockStrategy):
     name = "lua"
+    label = "atomic check-and-DECRBY script over the stripe counters"
     uses_redis = True
     counts_in_redis = True
     shard_count = settings.FLASHSALE_STRIPES
@@ -122,7 +123,7 @@ class LuaStrategy(StockStrategy):
     # round trip.
     item_may_be_remembered = True
 
-    def take(self, *, item: Item, qty: int, buyer: str, record: RecordOrder) -> Order:
+    def take(self, *, item: Item, qty: int, record: RecordOrder) -> Order:
         claim = _claim(item, record)
         try:
             # Inside a caller's transaction a batch would not commit before the answer.

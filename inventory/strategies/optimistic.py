@@ -35,10 +35,11 @@ class OptimisticStrategy(StockStrategy):
     """
 
     name = "optimistic"
+    label = "version-checked UPDATE (the fallback while Redis is down)"
     # It reads the stock itself on every attempt, and its write refuses a restarted sale.
     item_may_be_remembered = True
 
-    def take(self, *, item: Item, qty: int, buyer: str, record: RecordOrder) -> Order:
+    def take(self, *, item: Item, qty: int, record: RecordOrder) -> Order:
         attempts = settings.FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS
         for attempt in range(attempts):
             allocation = self._plan(item, qty, locked=False)

@@ -56,6 +56,7 @@ def shard_lock(item: Item, index: int) -> Lock:
 
 class SegmentedStrategy(StockStrategy):
     name = "segmented"
+    label = f"{settings.FLASHSALE_SHARDS} shards, one Redis lock each"
     uses_redis = True
     counts_in_redis = True
     shard_count = settings.FLASHSALE_SHARDS
@@ -63,7 +64,7 @@ class SegmentedStrategy(StockStrategy):
     # a checkout may use an item read a moment ago.
     item_may_be_remembered = True
 
-    def take(self, *, item: Item, qty: int, buyer: str, record: RecordOrder) -> Order:
+    def take(self, *, item: Item, qty: int, record: RecordOrder) -> Order:
         if not item.shard_count:
             raise RuntimeError(f"{item.sku} has no stock shards: restart its sale")
         start = random.randrange(item.shard_count)

@@ -17,8 +17,10 @@ from .base import Allocation, RecordOrder, StockStrategy
 
 class UnsafeStrategy(StockStrategy):
     name = "unsafe"
+    label = "read-modify-write, no lock (oversells)"
+    oversells = True
 
-    def take(self, *, item: Item, qty: int, buyer: str, record: RecordOrder) -> Order:
+    def take(self, *, item: Item, qty: int, record: RecordOrder) -> Order:
         seen = item.stock  # read with the item, a moment ago
         if seen < qty:
             raise SoldOut(sku=item.sku, requested=qty, remaining=seen)

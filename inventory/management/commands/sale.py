@@ -33,7 +33,12 @@ class Command(BaseCommand):
         )
         start.add_argument("sku")
         start.add_argument("--stock", type=int, required=True, help="units for sale")
-        start.add_argument("--strategy", required=True, choices=strategy_names())
+        start.add_argument(
+            "--strategy",
+            default=None,
+            choices=strategy_names(),
+            help="how its stock is decremented (default: FLASHSALE_DEFAULT_STRATEGY)",
+        )
         start.add_argument("--limit", type=int, default=None, help="most units per buyer")
         start.add_argument("--name", default=None, help="display name (default: from the sku)")
         start.add_argument("--price", type=_decimal, default=None)

@@ -10,10 +10,10 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from inventory.exceptions import InvalidRequest
-from inventory.strategies import strategy_names
+from inventory.strategies import oversells, strategy_names
 from loadtest import sandbox
 from loadtest.report import BASELINE, stranded, table
-from loadtest.runs import BATCH_ID, UNSAFE, LoadRunSettings, run_batch
+from loadtest.runs import BATCH_ID, LoadRunSettings, run_batch
 
 
 class Command(BaseCommand):
@@ -157,7 +157,8 @@ class Command(BaseCommand):
             for run in batch.runs
             if run.status != run.Status.DONE
             or (
-                run.strategy not in (BASELINE, UNSAFE)
+                run.strategy != BASELINE
+                and not oversells(run.strategy)
                 and ((run.oversold or 0) > 0 or stranded(run))
             )
         ]
