@@ -1,4 +1,4 @@
-"""The admin: items, their sales and orders, and recorded load runs. Staff only.
+"""The admin: items, their sales and orders. Staff only (load runs: `loadtest.admin`).
 
 Stock, strategy and per-buyer limit are shown, not edited: they belong to a sale, whose Redis
 counters, shards and buyer allowances `manage.py sale start` keeps consistent; an edit here would
@@ -11,7 +11,7 @@ from __future__ import annotations
 from django.contrib import admin
 from django.http import HttpRequest
 
-from .models import Item, Order, Sale, SaleRun, StockShard
+from .models import Item, Order, Sale, StockShard
 
 
 def strategy_column(field: str, description: str | None = None):
@@ -135,42 +135,3 @@ class OrderAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
     date_hierarchy = "created_at"
     show_full_result_count = False  # a flood leaves many rows; skip the extra COUNT(*)
     served_by_name = strategy_column("served_by", "served by")
-
-
-@admin.register(SaleRun)
-class SaleRunAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
-    list_display = [
-        "pk",
-        "strategy",
-        "batch",
-        "status",
-        "requests_per_second_display",
-        "goodput_display",
-        "p99_display",
-        "oversold",
-        "remaining",
-        "started_at",
-    ]
-    list_filter = ["status", "strategy", "batch"]
-    search_fields = ["batch", "sku", "strategy"]
-    date_hierarchy = "started_at"
-
-    def has_delete_permission(self, request: HttpRequest, obj: object = None) -> bool:
-        # Old runs may be cleared away; what a run recorded is never edited.
-        return admin.ModelAdmin.has_delete_permission(self, request, obj)
-
-    @admin.display(description="requests/s", ordering="requests_per_second")
-    def requests_per_second_display(self, run: SaleRun) -> str | None:
-        return _rounded(run.requests_per_second, 1)
-
-    @admin.display(description="goodput (units/s)", ordering="goodput")
-    def goodput_display(self, run: SaleRun) -> str | None:
-        return _rounded(run.goodput, 1)
-
-    @admin.display(description="p99 (ms)", ordering="p99_ms")
-    def p99_display(self, run: SaleRun) -> str | None:
-        return _rounded(run.p99_ms, 1)
-
-
-def _rounded(value: float | None, digits: int) -> str | None:
-    return None if value is None else f"{value:.{digits}f}"

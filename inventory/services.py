@@ -242,8 +242,9 @@ def start_sale(
     opens_in: float = 0,
 ) -> Sale:
     """(Re)start the sale of sku: create the item if new, open a new sale with its stock,
-    strategy (FLASHSALE_DEFAULT_STRATEGY when none is named) and limit (and stock rows of its own when the strategy keeps them), and warm Redis
-    once committed. Earlier sales keep their orders, stock rows and allowances as history.
+    strategy (FLASHSALE_DEFAULT_STRATEGY when none is named) and limit (and stock rows of its
+    own when the strategy keeps them), and warm Redis once committed. Earlier sales keep their
+    orders, stock rows and allowances as history.
 
     Safe while checkouts of the previous sale are in flight: the item row is locked without
     blocking their foreign-key checks (FOR NO KEY UPDATE), and nothing they may hold locked is

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from inventory.models import SaleRun
+from loadtest.models import SaleRun
 
 #: The run that floods a no-op endpoint: the HTTP ceiling the strategies are compared with.
 BASELINE = "baseline"

@@ -48,12 +48,13 @@ from django.db.models import Sum
 from django.utils import timezone
 
 from inventory.exceptions import InvalidRequest
-from inventory.models import LIVE_STATUSES, Item, Order, SaleRun
+from inventory.models import LIVE_STATUSES, Item, Order
 from inventory.orders import OPEN_STATUSES
 from inventory.selectors import audit_sale
 from inventory.services import start_sale
 from inventory.strategies import oversells, strategy_names
 
+from .models import SaleRun
 from .report import BASELINE, summary_line, write_report
 from .server import PROJECT_DIR, CeleryWorker, ShopServer
 

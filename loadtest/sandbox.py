@@ -106,6 +106,6 @@ class RunsRouter:
     database, alias `runs`; everything else in the sandbox's."""
 
     def db_for_read(self, model: type, **hints: object) -> str | None:
-        return RUNS_ALIAS if model._meta.label == "inventory.SaleRun" else None
+        return RUNS_ALIAS if model._meta.label == "loadtest.SaleRun" else None
 
     db_for_write = db_for_read

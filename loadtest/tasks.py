@@ -10,7 +10,7 @@ from pathlib import Path
 from celery import shared_task
 from django.conf import settings as django_settings
 
-from inventory.models import SaleRun
+from loadtest.models import SaleRun
 
 from .runs import LoadRunSettings
 

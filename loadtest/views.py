@@ -16,8 +16,8 @@ from django.urls import reverse
 from django.utils import timezone
 
 from inventory.exceptions import InvalidRequest
-from inventory.models import SaleRun
 from inventory.strategies import strategy_names
+from loadtest.models import SaleRun
 
 from .report import COLUMNS, LEGEND, cell, charts, notes
 from .runs import BASELINE, LoadRunSettings, new_batch_id
@@ -26,7 +26,7 @@ RECENT_RUNS = 60
 #: The largest crowd the page starts (the command takes up to 10,000).
 MAX_PAGE_USERS = 500
 #: Who may start a load run from the page (staff see the comparison; this starts load).
-START_PERMISSION = "inventory.start_load_run"
+START_PERMISSION = "loadtest.start_load_run"
 #: A batch whose runs are still `running` after this long is taken for dead (a worker killed
 #: mid-batch) and no longer blocks a new one.
 STALE_BATCH = timedelta(hours=1)

@@ -8,7 +8,7 @@ import pytest
 from django.contrib.auth.models import Permission, User
 from django.test import Client
 
-from inventory.models import SaleRun
+from loadtest.models import SaleRun
 from loadtest.server import CeleryWorker
 from tests.conftest import server_env, wait_until
 

@@ -12,7 +12,7 @@ import pytest
 from django.contrib.auth.models import User
 from django.test import Client
 
-from inventory.models import SaleRun
+from loadtest.models import SaleRun
 from loadtest.report import table
 from loadtest.runs import LoadRunSettings, measure_window
 from loadtest.server import PROJECT_DIR as ROOT

@@ -14,8 +14,9 @@ import psycopg
 import pytest
 from django.db import connection
 
-from inventory.models import Item, Order, SaleRun
+from inventory.models import Item, Order
 from inventory.services import start_sale
+from loadtest.models import SaleRun
 from loadtest.runs import LOCUSTFILE
 from loadtest.sandbox import database_name
 from loadtest.server import PROJECT_DIR as ROOT

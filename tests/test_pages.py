@@ -17,8 +17,9 @@ from django.contrib.auth.models import Permission, User
 from django.test import Client
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
-from inventory.models import Order, OrderStatus, SaleRun
+from inventory.models import Order, OrderStatus
 from inventory.services import place_order, start_sale
+from loadtest.models import SaleRun
 from tests.browser import CHROMIUM, CHROMIUM_ARGS, ConsoleWatch, chromium_missing_reason, screenshot
 from tests.conftest import start_shop, start_worker
 from tests.support.redis_server import RedisServer
@@ -368,7 +369,7 @@ def _user(username: str, *, staff: bool) -> User:
     if staff:
         user.user_permissions.set(
             Permission.objects.filter(
-                content_type__app_label="inventory", codename__startswith="view_"
+                content_type__app_label__in=["inventory", "loadtest"], codename__startswith="view_"
             )
         )
     return user
@@ -449,7 +450,7 @@ def test_staff_see_the_item_order_and_sale_run_lists(shop_server, page):
     expect(page.locator("#result_list")).to_have_count(0)
 
     # and the sale runs
-    page.goto(f"{shop_server.url}/admin/inventory/salerun/")
+    page.goto(f"{shop_server.url}/admin/loadtest/salerun/")
     run = page.locator("#result_list tbody tr").first
     for text in ("lua", "b-1", "Done", "381.2", "200.0", "41.5"):
         expect(run).to_contain_text(text)
