@@ -53,10 +53,10 @@ from inventory.orders import OPEN_STATUSES
 from inventory.selectors import audit_sale
 from inventory.services import start_sale
 from inventory.strategies import oversells, strategy_names
+from shop.processes.servers import PROJECT_DIR, CeleryWorker, ShopServer
 
 from .models import SaleRun
 from .report import BASELINE, summary_line, write_report
-from .server import PROJECT_DIR, CeleryWorker, ShopServer
 
 LOCUSTFILE = PROJECT_DIR / "loadtest" / "locustfile.py"
 #: Locust exit code for a run whose audit found oversell (see the locustfile).

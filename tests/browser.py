@@ -13,7 +13,7 @@ from pathlib import Path
 
 from playwright.sync_api import BrowserContext, ConsoleMessage, Error, Page
 
-from loadtest.server import PROJECT_DIR
+from shop.processes.servers import PROJECT_DIR
 
 CHROMIUM = os.environ.get("FLASHSALE_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [

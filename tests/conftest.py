@@ -13,7 +13,7 @@ import redis
 from django.conf import settings
 from django.db import connection
 
-from loadtest.server import CeleryWorker, ShopServer
+from shop.processes.servers import CeleryWorker, ShopServer
 from tests.support import delete_prefix, redis_url, unique_prefix
 
 #: Shared by the test process and every server and worker it starts: the same Redis keys and

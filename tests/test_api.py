@@ -295,7 +295,7 @@ def test_healthz_reports_database_and_redis(client):
 
 
 def test_healthz_reports_redis_down(client, settings):
-    from tests.support.redis_server import free_port
+    from shop.processes.ports import free_port
 
     settings.REDIS_URL = f"redis://127.0.0.1:{free_port()}/0"
     state = client.get("/healthz").json()

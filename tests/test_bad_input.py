@@ -193,7 +193,7 @@ def test_a_sale_without_stock_rows_is_refused_at_start(setting):
     import subprocess
     import sys
 
-    from loadtest.server import PROJECT_DIR
+    from shop.processes.servers import PROJECT_DIR
 
     result = subprocess.run(
         [sys.executable, "manage.py", "check"],

@@ -11,7 +11,7 @@ import sys
 from django.conf import settings
 
 from loadtest import bench_locks
-from loadtest.server import PROJECT_DIR as ROOT
+from shop.processes.servers import PROJECT_DIR as ROOT
 from tests.conftest import REDIS_PREFIX, server_env
 
 

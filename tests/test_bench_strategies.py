@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from loadtest.bench_strategies import PEERS
-from loadtest.server import PROJECT_DIR as ROOT
+from shop.processes.servers import PROJECT_DIR as ROOT
 from tests.conftest import server_env
 
 pytestmark = pytest.mark.django_db(transaction=True)

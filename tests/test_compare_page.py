@@ -9,7 +9,7 @@ from django.contrib.auth.models import Permission, User
 from django.test import Client
 
 from loadtest.models import SaleRun
-from loadtest.server import CeleryWorker
+from shop.processes.servers import CeleryWorker
 from tests.conftest import server_env, wait_until
 
 pytestmark = pytest.mark.django_db

@@ -15,7 +15,7 @@ from django.test import Client
 from loadtest.models import SaleRun
 from loadtest.report import table
 from loadtest.runs import LoadRunSettings, measure_window
-from loadtest.server import PROJECT_DIR as ROOT
+from shop.processes.servers import PROJECT_DIR as ROOT
 from tests.conftest import server_env
 
 

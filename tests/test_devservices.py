@@ -194,6 +194,7 @@ def test_nothing_is_started_when_environment_names_the_services(tmp_path):
         tmp_path / "unused",
         DATABASE_URL="postgres://someone@db.example.invalid:5432/shop",
         REDIS_URL="redis://cache.example.invalid:6379/0",
+        DJANGO_SECRET_KEY="given",  # (without one, a key is made: see the test below)
     )
     show = 'import os; print(os.environ["DATABASE_URL"], os.environ["REDIS_URL"]); exit(4)'
     code, out, err = finish(start_runner(show, env))

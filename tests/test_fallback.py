@@ -15,8 +15,8 @@ from inventory.models import Item, Order
 from inventory.selectors import audit_sale
 from inventory.services import start_sale
 from loadtest.flood import flood
+from shop.processes.redis_server import RedisServer
 from tests.conftest import start_shop
-from tests.support.redis_server import RedisServer
 
 STOCK = 300
 ATTEMPTS = 1200

@@ -19,7 +19,7 @@ from inventory.services import start_sale
 from loadtest.models import SaleRun
 from loadtest.runs import LOCUSTFILE
 from loadtest.sandbox import database_name
-from loadtest.server import PROJECT_DIR as ROOT
+from shop.processes.servers import PROJECT_DIR as ROOT
 from tests.conftest import TEST_API_TOKEN, server_env
 
 pytestmark = pytest.mark.django_db(transaction=True)

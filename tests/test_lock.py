@@ -2,7 +2,7 @@
 
 Most tests run against the shared Redis ($REDIS_URL, else 127.0.0.1:6379/0) under a
 uuid key prefix that is deleted afterwards. Tests that kill, pause or slow Redis down
-run against a private redis-server (tests.support.redis_server.RedisServer).
+run against a private redis-server (shop.processes.redis_server.RedisServer).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from redis.retry import Retry
 
 import locking
 from locking import Lock, scripts
+from shop.processes.redis_server import RedisServer
 from tests.support import gather_from_processes, redis_url, run_in_thread
-from tests.support.redis_server import RedisServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,8 +18,8 @@ import redis
 from redis.exceptions import LockNotOwnedError
 
 from locking import Lock
+from shop.processes.redis_server import RedisServer
 from tests.support import gather_from_processes, redis_url, run_in_thread
-from tests.support.redis_server import RedisServer
 
 # -- helpers ---------------------------------------------------------------------------
 

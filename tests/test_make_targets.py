@@ -11,7 +11,7 @@ from django.contrib.auth.models import User
 
 from inventory.models import Item
 from inventory.selectors import audit_sale
-from loadtest.server import PROJECT_DIR as ROOT
+from shop.processes.servers import PROJECT_DIR as ROOT
 from tests.conftest import server_env
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -19,9 +19,9 @@ from inventory.orders import sweep_orders
 from inventory.selectors import audit_sale
 from inventory.services import start_sale
 from loadtest.flood import flood
-from loadtest.server import PROJECT_DIR as ROOT
+from shop.processes.redis_server import RedisServer
+from shop.processes.servers import PROJECT_DIR as ROOT
 from tests.conftest import server_env, start_shop, start_worker, wait_until
-from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -20,9 +20,9 @@ from playwright.sync_api import Browser, Page, expect, sync_playwright
 from inventory.models import Order, OrderStatus
 from inventory.services import place_order, start_sale
 from loadtest.models import SaleRun
+from shop.processes.redis_server import RedisServer
 from tests.browser import CHROMIUM, CHROMIUM_ARGS, ConsoleWatch, chromium_missing_reason, screenshot
 from tests.conftest import start_shop, start_worker
-from tests.support.redis_server import RedisServer
 
 _missing = chromium_missing_reason()
 if _missing and os.environ.get("CI"):

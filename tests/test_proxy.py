@@ -17,7 +17,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from loadtest.server import PROJECT_DIR, ShopServer, free_port
+from shop.processes.ports import free_port
+from shop.processes.servers import PROJECT_DIR, ShopServer
 from tests.conftest import server_env
 
 NGINX = shutil.which("nginx") or (

@@ -22,7 +22,7 @@ from inventory.selectors import audit_sale
 from inventory.services import place_order, start_sale
 from inventory.strategies import get_strategy
 from inventory.tasks import dispatch_orders_task
-from loadtest.server import PROJECT_DIR as ROOT
+from shop.processes.servers import PROJECT_DIR as ROOT
 from tests.conftest import TASK_QUEUE, server_env
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.embedded_smoke]

