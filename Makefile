@@ -13,16 +13,17 @@ PORT ?= 8000
 WORKERS ?= 4
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
+BENCH_ARGS ?=
 STRATEGY ?= lua
 ADMIN_USER ?= admin
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test serve demo sale admin lint fmt clean chromium nginx
+.PHONY: help venv test serve demo bench sale admin lint fmt clean chromium nginx
 
 help: ## list the targets
 	@echo "flashsale make targets:"
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z]+:.*## / {printf "  %-9s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
-	@echo "Variables: PYTEST_ARGS, DEMO_ARGS, HOST/PORT/WORKERS (serve), SKU/STOCK/STRATEGY/LIMIT/PRICE/OPENS_IN (sale),"
+	@echo "Variables: PYTEST_ARGS, DEMO_ARGS, BENCH_ARGS, HOST/PORT/WORKERS (serve), SKU/STOCK/STRATEGY/LIMIT/PRICE/OPENS_IN (sale),"
 	@echo "  ADMIN_USER (admin), PYTHON (bootstrap)."
 	@echo "DATABASE_URL / REDIS_URL unset => embedded PostgreSQL / Redis with data in .data/."
 
@@ -44,6 +45,9 @@ test: $(STAMP) ## run pytest (PYTEST_ARGS="-k lock -x" ...)
 
 serve: $(STAMP) ## migrate, then serve on HOST:PORT (127.0.0.1:8000) plus a Celery worker; Ctrl-C stops
 	$(RUN) $(PY) -m shop.serve --host $(HOST) --port $(PORT) --workers $(WORKERS)
+
+bench: $(STAMP) ## the benchmarks without HTTP: every strategy, the peers, the ceilings (BENCH_ARGS="--rounds 3 ...")
+	$(RUN) sh -c '$(PY) manage.py migrate --noinput -v 0 && exec $(PY) manage.py bench strategies $(BENCH_ARGS)'
 
 demo: $(STAMP) ## flood every strategy with Locust, print the comparison, write the report (DEMO_ARGS="--stock 500 ...")
 	$(RUN) sh -c '$(PY) manage.py migrate --noinput -v 0 && exec $(PY) manage.py loadtest $(DEMO_ARGS)'

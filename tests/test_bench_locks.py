@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from django.conf import settings
 
 from loadtest import bench_locks
@@ -15,10 +16,17 @@ from shop.processes.servers import PROJECT_DIR as ROOT
 from tests.conftest import REDIS_PREFIX, server_env
 
 
-def test_a_short_run_measures_every_lock_at_every_outside_work_and_none_lets_two_in(tmp_path):
+@pytest.mark.parametrize(
+    "entry",
+    [["-m", "loadtest.bench_locks"], ["manage.py", "bench", "locks"]],
+    ids=["module", "manage.py bench"],
+)
+def test_a_short_run_measures_every_lock_at_every_outside_work_and_none_lets_two_in(
+    tmp_path, entry
+):
     report = tmp_path / "locks.json"
     command = [
-        sys.executable, "-m", "loadtest.bench_locks", "--buyers", "3", "--duration", "0.5",
+        sys.executable, *entry, "--buyers", "3", "--duration", "0.5",
         "--outside-ms", "0", "0.2", "--prefix", f"{REDIS_PREFIX}:bench-locks",
         "--json", str(report),
     ]  # fmt: skip

@@ -1,0 +1,48 @@
+"""`manage.py bench strategies|locks [ARGS...]`: the benchmarks without HTTP (`make bench`).
+
+`bench strategies` is `python -m loadtest.bench_strategies` (every strategy, the peer locks
+and the ceilings, in the load-run sandbox); `bench locks` is `python -m loadtest.bench_locks`
+(our lock and the peers' with no database). ARGS go to them as they are: `bench strategies
+--help` lists them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from django.core.management.base import BaseCommand, CommandParser
+
+BENCHMARKS = {
+    "strategies": "loadtest.bench_strategies",
+    "locks": "loadtest.bench_locks",
+}
+
+
+class Command(BaseCommand):
+    help = (
+        "Run a benchmark without HTTP: `bench strategies` (every strategy against the peers "
+        "and the ceilings) or `bench locks` (the locks alone); the arguments after it go to "
+        "the benchmark (`bench strategies --help`)."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("benchmark", choices=sorted(BENCHMARKS))
+        parser.add_argument("arguments", nargs=argparse.REMAINDER)
+
+    def run_from_argv(self, argv: list[str]) -> None:
+        # Everything after the benchmark's name is the benchmark's, --help included.
+        if len(argv) > 2 and argv[2] in BENCHMARKS:
+            sys.exit(self._run(argv[2], argv[3:]))
+        super().run_from_argv(argv)
+
+    def handle(self, *args: object, **options: object) -> None:
+        code = self._run(str(options["benchmark"]), list(options["arguments"] or []))
+        if code:
+            sys.exit(code)
+
+    @staticmethod
+    def _run(benchmark: str, arguments: list[str]) -> int:
+        from importlib import import_module
+
+        return import_module(BENCHMARKS[benchmark]).main(arguments)
