@@ -8,10 +8,12 @@ load runs are records, so those are read-only too.
 
 from __future__ import annotations
 
+from typing import cast
+
 from django.contrib import admin
 from django.http import HttpRequest
 
-from .models import Item, Order, Sale, StockShard
+from .models import Item, ItemQuerySet, Order, Sale, StockShard
 
 
 def strategy_column(field: str, description: str | None = None):
@@ -37,11 +39,31 @@ class ReadOnlyAdminMixin:
         return False
 
 
+_SHARD_FIELDS = ("sale", "index", "stock", "version")
+
+#: What the item page shows; only the display fields (sku, name, price) are editable: stock,
+#: strategy and limit change through `sale start`, which keeps shards, Redis and allowances in
+#: step.
+_ITEM_FIELDS = (
+    "sku",
+    "name",
+    "price",
+    "strategy",
+    "units_left",
+    "stock",
+    "per_buyer_limit",
+    "shard_count",
+    "version",
+    "current_sale",
+    "created_at",
+)
+
+
 class StockShardInline(ReadOnlyAdminMixin, admin.TabularInline):
     model = StockShard
     extra = 0
-    fields = ["sale", "index", "stock", "version"]
-    readonly_fields = fields
+    fields = _SHARD_FIELDS
+    readonly_fields = _SHARD_FIELDS
     can_delete = False
 
 
@@ -60,25 +82,11 @@ class ItemAdmin(admin.ModelAdmin):
     list_filter = ["strategy"]
     search_fields = ["sku", "name"]
     list_select_related = ["current_sale"]
-    fields = [
-        "sku",
-        "name",
-        "price",
-        "strategy",
-        "units_left",
-        "stock",
-        "per_buyer_limit",
-        "shard_count",
-        "version",
-        "current_sale",
-        "created_at",
-    ]
-    # Only the display fields are editable here: stock, strategy and limit change through
-    # `sale start`, which keeps shards, Redis and allowances in step.
-    readonly_fields = [name for name in fields if name not in ("sku", "name", "price")]
+    fields = _ITEM_FIELDS
+    readonly_fields = [name for name in _ITEM_FIELDS if name not in ("sku", "name", "price")]
 
-    def get_queryset(self, request: HttpRequest):
-        return super().get_queryset(request).with_units_left()
+    def get_queryset(self, request: HttpRequest) -> ItemQuerySet:
+        return cast(ItemQuerySet, super().get_queryset(request)).with_units_left()
 
     @admin.display(description="units left", ordering="derived_units_left")
     def units_left(self, item: Item) -> int:

@@ -72,6 +72,12 @@ def _text(data: dict[str, Any], field: str, *, max_length: int, required: bool) 
     return value.strip()
 
 
+def _required_text(data: dict[str, Any], field: str, *, max_length: int) -> str:
+    value = _text(data, field, max_length=max_length, required=True)
+    assert value is not None  # required: _text raised for a missing one
+    return value
+
+
 def parse_checkout(body: bytes) -> CheckoutRequest:
     """Validate a checkout body; raise InvalidRequest saying what is wrong."""
     try:
@@ -90,9 +96,9 @@ def parse_checkout(body: bytes) -> CheckoutRequest:
     if not 1 <= qty <= settings.FLASHSALE_MAX_QTY:
         raise InvalidRequest(f"qty: from 1 to {settings.FLASHSALE_MAX_QTY}")
     return CheckoutRequest(
-        sku=_text(data, "sku", max_length=64, required=True),
+        sku=_required_text(data, "sku", max_length=64),
         qty=qty,
-        buyer=_text(data, "buyer", max_length=64, required=True),
+        buyer=_required_text(data, "buyer", max_length=64),
         idempotency_key=_text(data, "idempotency_key", max_length=128, required=False),
     )
 

@@ -96,7 +96,7 @@ class Item(models.Model):
         annotated = self.__dict__.get("derived_units_left")
         if annotated is not None:
             return annotated
-        if not self.shard_count:
+        if not self.shard_count or self.current_sale_id is None:
             return self.stock
         total = StockShard.objects.filter(sale_id=self.current_sale_id).aggregate(
             total=models.Sum("stock")

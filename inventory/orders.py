@@ -301,7 +301,7 @@ def reconcile_sale(sku: str) -> list[str]:
                 StockShard.objects.filter(sale=sale).values_list("index", "supplied")
             )
             for shard_units in live.exclude(shard_units=None).values_list("shard_units", flat=True):
-                for index, units in shard_units.items():
+                for index, units in (shard_units or {}).items():
                     expected_rows[int(index)] -= units
             for index, units in sorted(levels.items()):
                 if units != expected_rows[index] and expected_rows[index] >= 0:

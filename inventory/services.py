@@ -255,7 +255,7 @@ def start_sale(
     """
     strategy = strategy or settings.FLASHSALE_DEFAULT_STRATEGY
     _validate_sale(sku=sku, stock=stock, strategy=strategy, limit=limit, price=price)
-    longest = Item._meta.get_field("name").max_length
+    longest = Item._meta.get_field("name").max_length or 0
     if name is not None and (len(name) > longest or not name.isprintable()):
         raise InvalidRequest(f"name: at most {longest} printable characters")
     if not 0 <= opens_in <= 7 * 24 * 3600:
@@ -367,7 +367,7 @@ def _validate_sale(
         validate_slug(sku)
     except ValidationError:
         raise InvalidRequest(f"sku {sku!r}: use letters, digits, '-' and '_' only") from None
-    if len(sku) > Item._meta.get_field("sku").max_length:
+    if len(sku) > (Item._meta.get_field("sku").max_length or 0):
         raise InvalidRequest("sku: at most 64 characters")
     if strategy not in strategy_names():
         raise InvalidRequest(

@@ -325,7 +325,7 @@ class SaleRecorder:
 class _PreparingCursor(psycopg.Cursor):
     """A server-side binding cursor whose statements are prepared on their first execution."""
 
-    def execute(self, query, params=None, *, prepare=True, binary=None):  # type: ignore[override]
+    def execute(self, query, params=None, *, prepare=True, binary=None):
         return super().execute(query, params, prepare=prepare, binary=binary)
 
 
@@ -346,7 +346,8 @@ def prepared_cursor() -> Any:
     raw = _PreparingCursor(wrapper.connection)
     if wrapper.queries_logged:
         return _PreparedDebugWrapper(raw, wrapper)
-    return wrapper.make_cursor(raw)
+    # make_cursor wraps any DB-API cursor (its stub names Django's own cursor type).
+    return wrapper.make_cursor(raw)  # type: ignore[arg-type]
 
 
 class _PreparedDebugWrapper(CursorDebugWrapper):
@@ -356,7 +357,7 @@ class _PreparedDebugWrapper(CursorDebugWrapper):
     not keep: it would log None (in `connection.queries`, the debug toolbar, the SQL log).
     """
 
-    def execute(self, sql, params=None):  # type: ignore[override]
+    def execute(self, sql, params=None):
         with self.debug_sql(self.db.ops.compose_sql(sql, params), params):
             return CursorWrapper.execute(self, sql, params)
 
@@ -464,7 +465,10 @@ def ensure_current(item: Item) -> None:
 
 
 def shard_stocks(sale_id: int | None, *, for_update: bool = False) -> dict[int, int]:
-    """Units on each stock row of a sale; `for_update` locks them, in index order."""
+    """Units on each stock row of a sale; `for_update` locks them, in index order. No sale,
+    no rows."""
+    if sale_id is None:
+        return {}
     shards = StockShard.objects.filter(sale_id=sale_id).order_by("index")
     if for_update:
         shards = shards.select_for_update()

@@ -359,8 +359,8 @@ class _Probe:
         acquire = self._timed_acquire(lock_strategy.acquire_lock)
         release = self._timed_release(lock_strategy.release_quietly)
         for module in (lock_strategy, segmented_strategy):
-            module.acquire_lock = acquire
-            module.release_quietly = release
+            setattr(module, "acquire_lock", acquire)  # noqa: B010 - the profile's wrappers
+            setattr(module, "release_quietly", release)  # noqa: B010
 
     def _execute(self, execute: Callable[..., Any], sql: str, *args: Any) -> Any:
         """Django's execute_wrapper hook: args are params, many, context."""
@@ -536,7 +536,7 @@ def _buyer(
             setattr(settings, name, value)
         if contender.hold_ms is not None:
             settings.FLASHSALE_HOLD_DELAY_MS = contender.hold_ms
-        if contender.kind == "peer":
+        if contender.peer is not None:
             # The seam the strategies build their locks through: nothing else differs.
             settings.FLASHSALE_LOCK_FACTORY = contender.peer.factory
         if contender.name == EVALSHA:
@@ -582,7 +582,7 @@ def _buyer(
     report.cpu_seconds = time.process_time() - cpu
     if probe is not None:
         report.timings = probe.seconds
-    if backend_cpu is not None:
+    if backend_cpu is not None and backend_pid is not None:
         after = _process_cpu_seconds(backend_pid)
         report.backend_cpu_seconds = None if after is None else after - backend_cpu
     reports.put((worker, asdict(report)))
@@ -611,9 +611,9 @@ def _audit(contender: Contender, stock: int, sold: int) -> dict[str, Any]:
         from inventory.redis_client import get_redis_client
 
         client = get_redis_client()
-        left = client.get(contender.sku)
+        raw = client.get(contender.sku)
         client.delete(contender.sku)
-        left = None if left is None else int(left)
+        left = None if raw is None else int(raw)
         return {
             "initial_stock": stock,
             "accepted_units": sold,
@@ -722,7 +722,7 @@ def run_contender(contender: Contender, args: argparse.Namespace, round_: int) -
         client_cpu_ms_per_buy=per_buy(sum(report.cpu_seconds for report in buyers)),
         postgres_cpu_ms_per_buy=None
         if contender.name == EVALSHA or None in backend or not backend
-        else per_buy(sum(backend)),
+        else per_buy(sum(seconds or 0.0 for seconds in backend)),
         redis_cpu_ms_per_buy=per_buy(redis_cpu),
         host_cpu_busy=host_busy,
         p50_ms=_percentile_ms(durations, 0.50),
@@ -806,7 +806,7 @@ def _median_row(results: list[Result]) -> Result:
 
 def ratios(rows: dict[str, Result], work_ms: int = 0) -> list[dict[str, Any]]:
     """The targets (with `segmented` vs `lock` also under --work-ms), then the bounds."""
-    pairs = list(TARGETS)
+    pairs: list[tuple[str, str, float | None, str]] = list(TARGETS)
     if work_ms:
         pairs.insert(
             3, (with_work("segmented", work_ms), with_work("lock", work_ms), WORK_TARGET, "rate")

@@ -71,7 +71,9 @@ def _buy(share: _Share) -> FloodResult:
                 "buyer": f"{share.buyer_prefix}-{share.worker}-{attempt}",
             }
         )
-        connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=share.timeout)
+        connection = http.client.HTTPConnection(
+            parts.hostname or "127.0.0.1", parts.port, timeout=share.timeout
+        )
         try:
             connection.request("POST", "/api/checkout", body, {"Content-Type": "application/json"})
             response = connection.getresponse()

@@ -206,7 +206,9 @@ class FlashCrowd(LoadTestShape):
         """Buyers were told sold out, and no unit has sold since for a quiet spell: the
         SOLD_OUT_QUIET_SECONDS, or on a master longer than the workers take to report, since
         its stats are their last reports."""
-        entries = self.runner.stats.entries
+        runner = self.runner
+        assert runner is not None, "a shape runs inside a Locust runner"
+        entries = runner.stats.entries
         sold = entries.get(("sold", "UNITS"))
         units = sold.num_requests if sold is not None else 0
         now = time.monotonic()

@@ -109,8 +109,9 @@ def notes(runs: Sequence[SaleRun]) -> list[str]:
             ended = {"sold out": "the stock ran out", "cap": "the sale was cut off"}
             lines.append(
                 f"{run.strategy}: its window lasted {window['seconds']:.1f} s, not "
-                f"{window['target_seconds']:g} s ({ended.get(window.get('ended_by'), 'it ended')}"
-                "): its units/s covers only that"
+                f"{window['target_seconds']:g} s "
+                f"({ended.get(window.get('ended_by') or '', 'it ended')}): "
+                "its units/s covers only that"
             )
         if run.strategy != BASELINE and not run.audit.get("sold_out", True):
             lines.append(

@@ -577,7 +577,7 @@ def _history(path: Path, qty: int) -> list[dict[str, float]]:
         return []
     first = min(samples)
     history = []
-    units = 0
+    units: float = 0
     for second in sorted(samples):
         units = max(units, samples[second]["units_sold"])
         history.append(

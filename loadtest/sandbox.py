@@ -27,6 +27,7 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from django.conf import settings
 from django.db import DatabaseError, connection
+from django.db.models import Model
 
 #: Set (to "1") in a sandboxed process's environment.
 MARK = "FLASHSALE_SANDBOX"
@@ -105,7 +106,7 @@ class RunsRouter:
     """In a sandboxed process, SaleRun (the compare page's records) lives in the shop's
     database, alias `runs`; everything else in the sandbox's."""
 
-    def db_for_read(self, model: type, **hints: object) -> str | None:
+    def db_for_read(self, model: type[Model], **hints: object) -> str | None:
         return RUNS_ALIAS if model._meta.label == "loadtest.SaleRun" else None
 
     db_for_write = db_for_read

@@ -128,12 +128,11 @@ def compare(request: HttpRequest) -> HttpResponse:
     running = bool(batch) and (
         not runs or len(runs) < planned or any(run.status == SaleRun.Status.RUNNING for run in runs)
     )
-    for run in runs:
-        run.cells = [cell(run, key) for key, _ in COLUMNS] + [run.batch, run.status]
     context = {
         **admin.site.each_context(request),
         "title": "Compare strategies",
         "runs": runs,
+        "rows": [[cell(run, key) for key, _ in COLUMNS] + [run.batch, run.status] for run in runs],
         "headers": [label for _, label in COLUMNS],
         "charts": charts([(_label(run, runs), run) for run in runs]) if runs else [],
         "notes": notes(runs),

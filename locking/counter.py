@@ -39,12 +39,12 @@ class Claim:
         if isinstance(self.ttl_ms, bool) or not isinstance(self.ttl_ms, int) or self.ttl_ms <= 0:
             raise ValueError(f"a claim needs a positive TTL in ms, got {self.ttl_ms!r}")
 
-    def script_args(self) -> tuple[list[str], list[object]]:
+    def script_args(self) -> tuple[list[str], list[int | str]]:
         """The extra KEYS and ARGV of a take under this claim."""
         return [self.key], [self.ttl_ms, self.token]
 
 
-def claim_args(claim: Claim | None) -> tuple[list[str], list[object]]:
+def claim_args(claim: Claim | None) -> tuple[list[str], list[int | str]]:
     return ([], []) if claim is None else claim.script_args()
 
 

@@ -328,7 +328,8 @@ class Lock:
 
     def _give_up(self, token: bytes) -> bool:
         """Withdraw from the queue; True if a release handed us the lock just before."""
-        keys = [self.name, self.queue_name, self.waiters_name, self._wake_key(token)]
+        keys: list[str | bytes] = [self.name, self.queue_name, self.waiters_name]
+        keys.append(self._wake_key(token))
         try:
             kept = bool(self._cancel_script(keys=keys, args=[token], client=self.redis))
         except RedisTimeoutError:
@@ -473,11 +474,13 @@ class Lock:
         # The watchdog gets the token through the lease: the token is thread-local
         # and would be invisible from the watchdog's thread. It holds the lock only
         # weakly so that an abandoned lock object lets its lease expire.
+        ttl_ms = self._ttl_ms()
+        assert self.timeout and ttl_ms, "watchdog=True needs a timeout (checked in __init__)"
         interval = self.timeout / 3
         _scheduler.schedule(
             time.monotonic() + interval,
             lease,
-            _WatchdogStart(weakref.ref(self), self.name, interval, self._ttl_ms()),
+            _WatchdogStart(weakref.ref(self), self.name, interval, ttl_ms),
         )
 
     def _stop_watchdog(self) -> None:

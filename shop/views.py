@@ -37,7 +37,12 @@ def _buyer_name(request: HttpRequest) -> str:
 
 def _units_held(item: Item, buyer: str) -> int:
     """Units buyer holds of item, as counted against its per-buyer limit (0 without a limit)."""
-    if not buyer or item.per_buyer_limit is None or not buyer.isprintable():
+    if (
+        not buyer
+        or item.per_buyer_limit is None
+        or item.current_sale_id is None
+        or not buyer.isprintable()
+    ):
         return 0
     allowance = BuyerAllowance.objects.filter(sale_id=item.current_sale_id, buyer=buyer).first()
     return allowance.units if allowance else 0

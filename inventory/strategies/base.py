@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 from ..models import Item, Order
 from ..stock import Sold
@@ -34,9 +34,10 @@ class Allocation:
 class RecordOrder(Protocol):
     """Writes the checkout's sale (`inventory.stock.SaleRecorder`)."""
 
-    #: The checkout's idempotency key, if it has one (the database enforces it; a strategy
-    #: may use it to keep twin retries apart).
-    idempotency_key: str | None
+    @property
+    def idempotency_key(self) -> str | None:
+        """The checkout's idempotency key, if it has one (the database enforces it; a strategy
+        may use it to keep twin retries apart)."""
 
     def __call__(self, allocation: Allocation) -> Sold | None:
         """Take the allocation's units and write the order row (and anything else the checkout
@@ -77,22 +78,22 @@ class StockStrategy(ABC):
     - if `record` raises, the strategy undoes its own effects (Redis included) and re-raises.
     """
 
-    name: ClassVar[str]
+    name: str
     #: What it does, in a few words (the admin and the docs show it beside the name).
-    label: ClassVar[str]
+    label: str
     #: Whether it may sell more than the stock (`unsafe`, the baseline that shows the damage):
     #: every other strategy must never oversell, and the tools fail a run where one does.
-    oversells: ClassVar[bool] = False
+    oversells: bool = False
     #: Whether the strategy needs Redis (and so runs behind the database fallback).
-    uses_redis: ClassVar[bool] = False
+    uses_redis: bool = False
     #: Whether the strategy keeps a count of the units left in Redis (checked by the audit).
-    counts_in_redis: ClassVar[bool] = False
+    counts_in_redis: bool = False
     #: How many stock rows the strategy keeps for an item's sale (0: the item row alone).
-    shard_count: ClassVar[int] = 0
+    shard_count: int = 0
     #: Whether a checkout may use an item read a moment ago (FLASHSALE_ITEM_MEMORY_MS): true
     #: when everything the strategy decides with is kept per sale and checked at the write,
     #: and it raises `inventory.stock.SaleRestarted` when it finds the sale restarted.
-    item_may_be_remembered: ClassVar[bool] = False
+    item_may_be_remembered: bool = False
 
     @abstractmethod
     def take(self, *, item: Item, qty: int, record: RecordOrder) -> Order:

@@ -60,7 +60,7 @@ class LockStrategy(StockStrategy):
             item.stock = sold.item_stock  # what a checkout using this item read next will see
         return sold.order
 
-    def _take_unguarded(self, item: Item, qty: int, record: RecordOrder, lock: Lock) -> Sold:
+    def _take_unguarded(self, item: Item, qty: int, record: RecordOrder, lock: Lock) -> Sold | None:
         """Pitfall toggle: trust the lock and write back what was read, as naive code does.
 
         Once a lock expires mid-work, two holders overlap and it oversells.

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
 from functools import lru_cache
+from typing import Any
 
 from django.conf import settings
 from django.utils.module_loading import import_string
@@ -84,7 +85,7 @@ _unsettled_lock = threading.Lock()
 lock_wait_seconds: ContextVar[float] = ContextVar("lock_wait_seconds", default=0.0)
 
 
-def acquire_lock(lock: Lock, **options: object) -> bool:
+def acquire_lock(lock: Lock, **options: Any) -> bool:
     """`lock.acquire(**options)`, remembering the token if Redis fails mid-way."""
     token = uuid.uuid4().hex.encode()
     started = time.perf_counter()
@@ -193,4 +194,5 @@ def rows_total(item: Item) -> int | None:
     if not item.shard_count:
         return None
     levels = counter().get_many(keys.rows(item))
-    return None if None in levels else sum(levels)
+    held = [level for level in levels if level is not None]
+    return sum(held) if len(held) == len(levels) else None

@@ -267,8 +267,9 @@ class EmbeddedPostgres:
         try:
             if self.pgdata.exists():
                 self._prune_dead_handles(pgserver)
-            self.server = pgserver.get_server(self.pgdata, cleanup_mode="stop")
-            info = self.server.get_postmaster_info()
+            server = pgserver.get_server(self.pgdata, cleanup_mode="stop")
+            self.server = server
+            info = server.get_postmaster_info()
         except Exception as exc:
             if isinstance(exc, subprocess.CalledProcessError):
                 what = f"{Path(exc.cmd[0]).name} {exc.cmd[-1]} exited with status {exc.returncode}"

@@ -120,7 +120,8 @@ class RedisServer:
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self.running else None
+        proc = self._proc
+        return proc.pid if proc is not None and proc.poll() is None else None
 
     @property
     def running(self) -> bool:

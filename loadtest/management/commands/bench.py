@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
 
@@ -36,7 +37,7 @@ class Command(BaseCommand):
             sys.exit(self._run(argv[2], argv[3:]))
         super().run_from_argv(argv)
 
-    def handle(self, *args: object, **options: object) -> None:
+    def handle(self, *args: Any, **options: Any) -> None:
         code = self._run(str(options["benchmark"]), list(options["arguments"] or []))
         if code:
             sys.exit(code)

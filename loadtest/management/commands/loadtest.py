@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -106,7 +107,7 @@ class Command(BaseCommand):
         # The batch id, when the admin's load-run task has chosen it already.
         parser.add_argument("--batch", default=None, help=argparse.SUPPRESS)
 
-    def handle(self, *args: object, **options: object) -> None:
+    def handle(self, *args: Any, **options: Any) -> None:
         config = LoadRunSettings(
             strategies=[name.strip() for name in options["strategies"].split(",") if name.strip()],
             stock=options["stock"],
