@@ -29,7 +29,7 @@ from locking import Lock, scripts
 from shop.processes.redis_server import RedisServer
 from tests.support import gather_from_processes, redis_url, run_in_thread
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- fixtures --------------------------------------------------------------------------
