@@ -165,6 +165,10 @@ def test_concurrent_retries_with_one_key_make_one_order(strategy):
     call_command("sale", "audit", "widget", "--json")
 
 
+#: Simultaneous retries of one checkout (one idempotency key) on its last unit.
+TWINS = 50
+
+
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize(
     ("strategy", "group_commit", "rounds"),
@@ -194,9 +198,9 @@ def test_concurrent_retries_of_one_key_on_the_last_unit_get_one_answer(
     for round_ in range(rounds):
         sku = f"last-{round_}"
         start_sale(sku=sku, stock=1, strategy=strategy)
-        barrier = Barrier(30)
-        with ThreadPoolExecutor(30) as pool:
-            answers = list(pool.map(attempt, [sku] * 30, [barrier] * 30))
+        barrier = Barrier(TWINS)
+        with ThreadPoolExecutor(TWINS) as pool:
+            answers = list(pool.map(attempt, [sku] * TWINS, [barrier] * TWINS))
         assert {status for status, _ in answers} == {201}, (round_, answers)
         assert len({body for _, body in answers}) == 1
         assert Order.objects.filter(item__sku=sku).count() == 1
