@@ -4,132 +4,23 @@
 function `inventory_sell_batch` writes the one each request brings (migration 0006's, else a
 new one)."""
 
+from importlib import import_module
+
 import django.contrib.postgres.functions
 from django.db import migrations, models
 
-SELL_BATCH = """
-CREATE OR REPLACE FUNCTION inventory_sell_batch(requests jsonb, at timestamptz, wait text)
-RETURNS TABLE (n integer, order_id bigint, outcome text) LANGUAGE plpgsql AS $$
-DECLARE
-    request jsonb;
-    k integer := 0;
-    row_index text;
-    units integer;
-    current_sale bigint;
-    placed bigint;
-BEGIN
-    -- Bounds every row-lock wait of the batch (the setting ends with its transaction).
-    PERFORM set_config('lock_timeout', wait, true);
-    FOR request IN SELECT value FROM jsonb_array_elements(requests) LOOP
-        k := k + 1;
-        n := k;
-        order_id := NULL;
-        SELECT current_sale_id INTO current_sale
-            FROM inventory_item WHERE id = (request->>'item')::bigint;
-        IF current_sale IS DISTINCT FROM (request->>'sale')::bigint THEN
-            outcome := 'restarted';
-            RETURN NEXT;
-            CONTINUE;
-        END IF;
-        BEGIN
-            FOR row_index, units IN
-                SELECT key, value::integer FROM jsonb_each_text(request->'rows') ORDER BY key::integer
-            LOOP
-                UPDATE inventory_stockshard SET stock = stock - units, version = version + 1
-                    WHERE sale_id = current_sale AND index = row_index::integer AND stock >= units;
-                IF NOT FOUND THEN
-                    RAISE EXCEPTION 'stock row % short' , row_index USING ERRCODE = 'FS002';
-                END IF;
-            END LOOP;
-            IF request->>'limit' IS NOT NULL THEN
-                INSERT INTO inventory_buyerallowance (item_id, sale_id, buyer, units, unit_limit)
-                    VALUES ((request->>'item')::bigint, current_sale, request->>'buyer',
-                            (request->>'qty')::integer, (request->>'limit')::integer)
-                    ON CONFLICT (sale_id, buyer)
-                    DO UPDATE SET units = inventory_buyerallowance.units + EXCLUDED.units;
-            END IF;
-            INSERT INTO inventory_order (public_id, item_id, sale_id, buyer, qty, status,
+# inventory_sell_batch as migration 0006 made it, with its INSERT writing the public id too.
+SELL_BATCH_BEFORE = import_module("inventory.migrations.0006_sell_batch").CREATE
+INSERT_BEFORE = """            INSERT INTO inventory_order (item_id, sale_id, buyer, qty, status, idempotency_key,
+                                         served_by, fallback, shard_units, created_at, updated_at)
+                VALUES ((request->>'item')::bigint, current_sale, request->>'buyer',"""
+INSERT_AFTER = """            INSERT INTO inventory_order (public_id, item_id, sale_id, buyer, qty, status,
                                          idempotency_key, served_by, fallback, shard_units,
                                          created_at, updated_at)
                 VALUES (COALESCE((request->>'public_id')::uuid, gen_random_uuid()),
-                        (request->>'item')::bigint, current_sale, request->>'buyer',
-                        (request->>'qty')::integer, 'pending', request->>'key',
-                        request->>'served_by', (request->>'fallback')::boolean, request->'rows',
-                        at, at)
-                RETURNING id INTO placed;
-            order_id := placed;
-            outcome := 'sold';
-        EXCEPTION
-            WHEN SQLSTATE 'FS002' THEN outcome := 'short';
-            WHEN unique_violation THEN outcome := 'duplicate';
-            WHEN check_violation THEN outcome := 'limit';
-        END;
-        RETURN NEXT;
-    END LOOP;
-END
-$$;
-"""
-
-SELL_BATCH_BEFORE = """
-CREATE OR REPLACE FUNCTION inventory_sell_batch(requests jsonb, at timestamptz, wait text)
-RETURNS TABLE (n integer, order_id bigint, outcome text) LANGUAGE plpgsql AS $$
-DECLARE
-    request jsonb;
-    k integer := 0;
-    row_index text;
-    units integer;
-    current_sale bigint;
-    placed bigint;
-BEGIN
-    -- Bounds every row-lock wait of the batch (the setting ends with its transaction).
-    PERFORM set_config('lock_timeout', wait, true);
-    FOR request IN SELECT value FROM jsonb_array_elements(requests) LOOP
-        k := k + 1;
-        n := k;
-        order_id := NULL;
-        SELECT current_sale_id INTO current_sale
-            FROM inventory_item WHERE id = (request->>'item')::bigint;
-        IF current_sale IS DISTINCT FROM (request->>'sale')::bigint THEN
-            outcome := 'restarted';
-            RETURN NEXT;
-            CONTINUE;
-        END IF;
-        BEGIN
-            FOR row_index, units IN
-                SELECT key, value::integer FROM jsonb_each_text(request->'rows') ORDER BY key::integer
-            LOOP
-                UPDATE inventory_stockshard SET stock = stock - units, version = version + 1
-                    WHERE sale_id = current_sale AND index = row_index::integer AND stock >= units;
-                IF NOT FOUND THEN
-                    RAISE EXCEPTION 'stock row % short' , row_index USING ERRCODE = 'FS002';
-                END IF;
-            END LOOP;
-            IF request->>'limit' IS NOT NULL THEN
-                INSERT INTO inventory_buyerallowance (item_id, sale_id, buyer, units, unit_limit)
-                    VALUES ((request->>'item')::bigint, current_sale, request->>'buyer',
-                            (request->>'qty')::integer, (request->>'limit')::integer)
-                    ON CONFLICT (sale_id, buyer)
-                    DO UPDATE SET units = inventory_buyerallowance.units + EXCLUDED.units;
-            END IF;
-            INSERT INTO inventory_order (item_id, sale_id, buyer, qty, status, idempotency_key,
-                                         served_by, fallback, shard_units, created_at, updated_at)
-                VALUES ((request->>'item')::bigint, current_sale, request->>'buyer',
-                        (request->>'qty')::integer, 'pending', request->>'key',
-                        request->>'served_by', (request->>'fallback')::boolean, request->'rows',
-                        at, at)
-                RETURNING id INTO placed;
-            order_id := placed;
-            outcome := 'sold';
-        EXCEPTION
-            WHEN SQLSTATE 'FS002' THEN outcome := 'short';
-            WHEN unique_violation THEN outcome := 'duplicate';
-            WHEN check_violation THEN outcome := 'limit';
-        END;
-        RETURN NEXT;
-    END LOOP;
-END
-$$;
-"""
+                        (request->>'item')::bigint, current_sale, request->>'buyer',"""
+assert SELL_BATCH_BEFORE.count(INSERT_BEFORE) == 1
+SELL_BATCH = SELL_BATCH_BEFORE.replace(INSERT_BEFORE, INSERT_AFTER)
 
 
 class Migration(migrations.Migration):
