@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from loadtest.bench_strategies import PEERS
+from loadtest.bench.contenders import PEERS
 from shop.processes.servers import PROJECT_DIR as ROOT
 from tests.conftest import server_env
 

@@ -15,7 +15,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandParser
 
 BENCHMARKS = {
-    "strategies": "loadtest.bench_strategies",
+    "strategies": "loadtest.bench.strategies",
     "locks": "loadtest.bench_locks",
 }
 

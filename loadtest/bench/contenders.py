@@ -1,0 +1,187 @@
+"""What one run measures: the contenders (strategies, peers, ceilings), the targets and
+bounds they are held to, and what each buyer and each round reports."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any
+
+EVALSHA = "raw EVALSHA"
+EVALSHA_SELL = "take + row sale (SQL)"
+HOT_ROW = "hot row (SQL)"
+#: `lua` with FLASHSALE_GROUP_COMMIT switched on or off (the other way than configured).
+LUA_GROUPED = "lua, group commit"
+LUA_UNGROUPED = "lua, commit per sale"
+#: Row labels of the peers the lock targets name.
+PYTHON_REDIS_LOCK = "python-redis-lock"
+REDIS_PY_DEFAULT = "redis-py Lock sleep=0.1"
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Another project's Redis lock, run inside the `lock` strategy's code."""
+
+    name: str
+    label: str
+    #: What FLASHSALE_LOCK_FACTORY names in the buyer processes (loadtest/peer_locks.py).
+    factory: str
+
+
+PEERS = {
+    peer.name: peer
+    for peer in [
+        Peer("redis-py", REDIS_PY_DEFAULT, "loadtest.peer_locks.redis_py"),
+        Peer("redis-py-5ms", "redis-py Lock sleep=0.005", "loadtest.peer_locks.redis_py_5ms"),
+        Peer("python-redis-lock", PYTHON_REDIS_LOCK, "loadtest.peer_locks.python_redis_lock"),
+        Peer(
+            "python-redis-lock-renewal",
+            "python-redis-lock renewal",
+            "loadtest.peer_locks.python_redis_lock_renewal",
+        ),
+    ]
+}
+
+#: (what, versus what, target, measure) for the printed targets. "rate": buys/s of `what` over
+#: buys/s of `versus`, to reach at least the target; "p99": `what`'s p99 time per sale over
+#: `versus`'s, to stay at or under it. Each strategy is held against the others, the peers,
+#: and the hot-row ceiling measured in the same run (so no ratio is met by slowing a rival).
+TARGETS = [
+    ("lua", HOT_ROW, 2.0, "rate"),
+    ("lock", HOT_ROW, 0.35, "rate"),
+    ("segmented", "lock", 1.5, "rate"),
+    ("lock", PYTHON_REDIS_LOCK, 1.0, "rate"),
+    ("lock", REDIS_PY_DEFAULT, 0.2, "p99"),
+]
+#: The target for `segmented` vs `lock` with --work-ms in the critical section.
+WORK_TARGET = 5.0
+
+#: (what, versus what): the bounds printed under the targets, for what the machine allows.
+BOUNDS = [
+    ("lua", EVALSHA_SELL),
+    (EVALSHA_SELL, HOT_ROW),
+]
+
+
+def with_work(name: str, work_ms: int) -> str:
+    """The row label of a strategy run with work_ms of simulated work in its critical section."""
+    return f"{name} +{work_ms} ms work"
+
+
+@dataclass
+class Contender:
+    name: str  # the row's label
+    kind: str  # "strategy", "peer" or "ceiling"
+    sku: str
+    safe: bool = True
+    peer: Peer | None = None
+    strategy: str | None = None  # for kind "strategy": the strategy it runs
+    hold_ms: int | None = None  # simulated work in the critical section; None: --hold-ms
+    buyers: int | None = None  # buyer processes; None: --buyers
+    #: Settings the buyer processes run with (a variant of a strategy).
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class BuyerReport:
+    """What one buyer process saw."""
+
+    sold: int = 0
+    busy: int = 0
+    started_at: float = 0.0
+    last_sale_at: float | None = None
+    capped: bool = False
+    error: str | None = None
+    cpu_seconds: float = 0.0
+    backend_cpu_seconds: float | None = None
+    #: With --profile: seconds spent per phase, summed over the process's checkouts.
+    timings: dict[str, float] = field(default_factory=dict)
+    #: Seconds each sale took, from the call to its return (refusals and busy answers aside).
+    sale_seconds: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Result:
+    contender: str
+    kind: str
+    round: int
+    buyers: int
+    stock: int
+    sold: int
+    busy: int
+    seconds: float
+    buys_per_second: float
+    capped: bool
+    errors: list[str]
+    accepted_units: int
+    oversold: int
+    remaining: int
+    consistent: bool
+    safe: bool
+    client_cpu_ms_per_buy: float | None
+    postgres_cpu_ms_per_buy: float | None
+    redis_cpu_ms_per_buy: float | None
+    host_cpu_busy: float | None
+    #: Time one sale took, from the buyer's call to its return: median and 99th percentile.
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    audit: dict[str, Any] = field(default_factory=dict)
+    #: With --profile: milliseconds per unit sold spent in each phase, all buyers together.
+    phases_ms_per_buy: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def broken(self) -> bool:
+        """A contender that must not oversell did, or left the database, shards and Redis
+        disagreeing."""
+        return self.safe and (self.oversold > 0 or not self.consistent)
+
+
+# -- the whole run ---------------------------------------------------------------------------
+
+
+def _group_commit() -> bool:
+    from django.conf import settings
+
+    return settings.FLASHSALE_GROUP_COMMIT
+
+
+def contenders_for(args: argparse.Namespace) -> list[Contender]:
+    from inventory.strategies import oversells
+
+    contenders = [
+        Contender(name, "strategy", f"bench-{name}", safe=not oversells(name), strategy=name)
+        for name in args.strategies
+    ]
+    if "lua" in args.strategies:
+        # lua with its group commit switched the other way: what sharing commits buys.
+        grouped = not _group_commit()
+        contenders.append(
+            Contender(
+                LUA_GROUPED if grouped else LUA_UNGROUPED,
+                "strategy",
+                "bench-lua-variant",
+                strategy="lua",
+                settings={"FLASHSALE_GROUP_COMMIT": grouped},
+            )
+        )
+    if args.work_ms:
+        contenders += [
+            Contender(
+                with_work(name, args.work_ms),
+                "strategy",
+                f"bench-{name}-work",
+                strategy=name,
+                hold_ms=args.work_ms,
+                buyers=args.work_buyers,
+            )
+            for name in ("lock", "segmented")
+            if name in args.strategies
+        ]
+    contenders += [
+        Contender(PEERS[name].label, "peer", f"bench-peer-{name}", peer=PEERS[name])
+        for name in args.peers
+    ]
+    contenders.append(Contender(EVALSHA, "ceiling", ""))
+    contenders.append(Contender(EVALSHA_SELL, "ceiling", "bench-ceiling-evalsha-sale"))
+    contenders.append(Contender(HOT_ROW, "ceiling", "bench-ceiling-hot-row"))
+    return contenders

@@ -1,0 +1,153 @@
+"""Measurements of the host and, with --profile, of where a buyer's time goes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+# -- measurements of the host --------------------------------------------------------------
+
+
+def host_cpu_times() -> tuple[float, float] | None:
+    """(busy, total) jiffies of all CPUs since boot, from /proc/stat."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(value) for value in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    total = sum(fields[:8])
+    return total - idle, total
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU of another process on this host (a PostgreSQL backend), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def redis_cpu_seconds() -> float | None:
+    from inventory.redis_client import get_redis_client
+
+    try:
+        info = get_redis_client().info("cpu")
+    except Exception:
+        return None
+    return float(info.get("used_cpu_user", 0)) + float(info.get("used_cpu_sys", 0))
+
+
+# -- where the time goes (--profile) ----------------------------------------------------------
+
+
+class Probe:
+    """Times, inside one buyer process, the phases that can serialize checkouts.
+
+    - lock wait / lock held: from asking for the Redis lock (item lock, shard lock, or a peer's
+      lock: whatever `inventory.strategies.plumbing.acquire_lock` is handed) to getting it, and
+      from getting it to its release;
+    - sale write: the one statement of `inventory.stock.sell` (guarded decrements, order row,
+      commit), which waits for the item row while another sale holds it;
+    - publish: handing the order to the order publisher after commit.
+
+    Wrappers only: the strategies' code runs unchanged.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+    def install(self) -> None:
+        from django.db import connection
+
+        import inventory.services as services
+        import inventory.strategies.lock as lock_strategy
+        import inventory.strategies.segmented as segmented_strategy
+
+        connection.ensure_connection()
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(connection.execute_wrapper(self._execute))
+        services.order_placed = self._timed(services.order_placed, "publish")
+        acquire = self._timed_acquire(lock_strategy.acquire_lock)
+        release = self._timed_release(lock_strategy.release_quietly)
+        for module in (lock_strategy, segmented_strategy):
+            setattr(module, "acquire_lock", acquire)  # noqa: B010 - the profile's wrappers
+            setattr(module, "release_quietly", release)  # noqa: B010
+
+    def _execute(self, execute: Callable[..., Any], sql: str, *args: Any) -> Any:
+        """Django's execute_wrapper hook: args are params, many, context."""
+        started = time.perf_counter()
+        try:
+            return execute(sql, *args)
+        finally:
+            if sql.startswith(_SALE_WRITE):
+                self.add("sale write", time.perf_counter() - started)
+
+    def _timed(self, function: Callable[..., Any], phase: str) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.add(phase, time.perf_counter() - started)
+
+        return timed
+
+    def _timed_acquire(self, acquire: Callable[..., bool]) -> Callable[..., bool]:
+        def timed(lock: Any, **options: Any) -> bool:
+            started = time.perf_counter()
+            acquired = False
+            try:
+                acquired = acquire(lock, **options)
+                return acquired
+            finally:
+                ended = time.perf_counter()
+                self.add("lock wait", ended - started)
+                if acquired:
+                    lock.bench_acquired_at = ended
+
+        return timed
+
+    def _timed_release(self, release: Callable[[Any], None]) -> Callable[[Any], None]:
+        def timed(lock: Any) -> None:
+            try:
+                release(lock)
+            finally:
+                acquired_at = getattr(lock, "bench_acquired_at", None)
+                if acquired_at is not None:
+                    self.add("lock held", time.perf_counter() - acquired_at)
+
+        return timed
+
+
+#: How the statement of `inventory.stock.sell` starts (and no other statement of a checkout).
+_SALE_WRITE = "WITH "
+
+#: The --profile columns: (phase, heading).
+PROFILE_PHASES = [
+    ("lock wait", "lock wait"),
+    ("lock held", "lock held"),
+    ("sale write", "sale write"),
+    ("publish", "publish"),
+]
+
+
+def percentile_ms(ordered: list[float], share: float) -> float | None:
+    """The share-th quantile of ordered durations (nearest rank), in milliseconds."""
+    if not ordered:
+        return None
+    return 1000 * ordered[min(len(ordered) - 1, max(0, round(share * len(ordered)) - 1))]
+
+
+def lock_wait_allowed_seconds() -> float:
+    from django.conf import settings
+
+    return settings.FLASHSALE_LOCK_WAIT_MS / 1000

@@ -1,0 +1,130 @@
+"""The printed results: medians, the table, where the time goes, the targets and bounds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .contenders import BOUNDS, LUA_GROUPED, LUA_UNGROUPED, TARGETS, WORK_TARGET, Result, with_work
+from .measure import PROFILE_PHASES
+
+
+def median_row(results: list[Result]) -> Result:
+    """The round with the median rate (the lower one of the two middle rounds)."""
+    ranked = sorted(results, key=lambda result: result.buys_per_second)
+    return ranked[(len(ranked) - 1) // 2]
+
+
+def ratios(rows: dict[str, Result], work_ms: int = 0) -> list[dict[str, Any]]:
+    """The targets (with `segmented` vs `lock` also under --work-ms), then the bounds."""
+    pairs: list[tuple[str, str, float | None, str]] = list(TARGETS)
+    if work_ms:
+        pairs.insert(
+            3, (with_work("segmented", work_ms), with_work("lock", work_ms), WORK_TARGET, "rate")
+        )
+    pairs += [(name, versus, None, "rate") for name, versus in BOUNDS]
+    pairs += [
+        ("lua", variant, None, "rate")
+        for variant in (LUA_GROUPED, LUA_UNGROUPED)
+        if variant in rows
+    ]
+    checks = []
+    for name, versus, target, measure in pairs:
+        row, versus_row = rows.get(name), rows.get(versus)
+        check: dict[str, Any] = {
+            "what": name,
+            "versus": versus,
+            "target": target,
+            "measure": measure,
+        }
+        if measure == "p99":
+            if row is not None and versus_row is not None and row.p99_ms and versus_row.p99_ms:
+                check["ratio"] = row.p99_ms / versus_row.p99_ms
+                check["met"] = check["ratio"] <= target
+        elif row is not None and versus_row is not None and versus_row.buys_per_second:
+            check["ratio"] = row.buys_per_second / versus_row.buys_per_second
+            if target is not None:
+                check["met"] = check["ratio"] >= target
+        checks.append(check)
+    return checks
+
+
+def _format(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(rows: list[Result], rounds: int) -> None:
+    label = "median of " + str(rounds) + " rounds" if rounds > 1 else "one round"
+    print(f"\nresults ({label}; cpu in ms per unit sold):")
+    header = (
+        f"{'contender':<27} {'buys/s':>7} {'sold':>6} {'busy':>5} {'oversold':>8} "
+        f"{'remaining':>9} {'consistent':>10} {'cpu py':>7} {'cpu pg':>7} {'cpu redis':>9} "
+        f"{'host cpu':>8} {'p50 ms':>7} {'p99 ms':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        note = " (capped)" if row.capped else ""
+        note += " ERRORS" if row.errors else ""
+        print(
+            f"{row.contender:<27} {row.buys_per_second:>7.0f} {row.sold:>6} {row.busy:>5} "
+            f"{row.oversold:>8} {_format(row.remaining, 'd'):>9} "
+            f"{'yes' if row.consistent else 'NO':>10} "
+            f"{_format(row.client_cpu_ms_per_buy, '.2f'):>7} "
+            f"{_format(row.postgres_cpu_ms_per_buy, '.2f'):>7} "
+            f"{_format(row.redis_cpu_ms_per_buy, '.3f'):>9} "
+            f"{_format(None if row.host_cpu_busy is None else 100 * row.host_cpu_busy, '.0f'):>7}%"
+            f" {_format(row.p50_ms, '.2f'):>7} {_format(row.p99_ms, '.1f'):>7}{note}"
+        )
+
+
+def print_profile(rows: list[Result]) -> None:
+    """Where the time goes, per unit sold, in milliseconds of buyer time (all buyers together:
+    a phase that serializes checkouts cannot take more than 1000 / buys/s of it)."""
+    print(
+        "\nwhere the time goes (--profile), ms per unit sold summed over the buyers; "
+        "'serial' = 1000 / buys/s, the time one unit takes when units are sold one at a time:"
+    )
+    header = f"{'contender':<27} {'serial':>7} {'checkout':>8}" + "".join(
+        f" {heading:>9}" for _, heading in PROFILE_PHASES
+    )
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        if not row.phases_ms_per_buy:
+            continue
+        serial = 1000 / row.buys_per_second if row.buys_per_second else None
+        checkout = 1000 * row.buyers * row.seconds / row.sold if row.sold else None
+        cells = "".join(
+            f" {_format(row.phases_ms_per_buy.get(phase), '.2f'):>9}" for phase, _ in PROFILE_PHASES
+        )
+        print(
+            f"{row.contender:<27} {_format(serial, '.2f'):>7} {_format(checkout, '.2f'):>8}{cells}"
+        )
+    print(
+        "checkout: buyer time per unit sold (buyers x seconds / units). A phase close to 'serial' "
+        "is where checkouts queue: the lock held, or the sale write (the item row is locked "
+        "from its UPDATE to the commit that ends the statement)."
+    )
+
+
+def print_ratios(checks: list[dict[str, Any]]) -> None:
+    print("\ntargets (buys/s ratios, and p99 time per sale where marked):")
+    bounds = False
+    for check in checks:
+        if check["target"] is None and not bounds:
+            bounds = True
+            print(
+                "bounds (what this machine allows: lua against its least possible work, a take "
+                "plus the sale statement on a stock row; that against the hot row, the sale "
+                "statement alone on the item row):"
+            )
+        if "ratio" not in check:
+            print(f"  {check['what']} vs {check['versus']}: not measured in this run")
+            continue
+        what = check["what"] + (" p99" if check["measure"] == "p99" else "")
+        line = f"  {what:<24} vs {check['versus']:<27} {check['ratio']:>6.2f}x"
+        if check["target"] is not None:
+            verdict = "met" if check["met"] else "MISSED"
+            sign = "<=" if check["measure"] == "p99" else ">="
+            line += f"  (target {sign} {check['target']:.2f}x): {verdict}"
+        print(line)

@@ -1,0 +1,324 @@
+"""Benchmark without HTTP: every strategy driven directly by buyer processes on one hot item.
+
+    python -m loadtest.bench_strategies [--buyers 8] [--stock 2000] [--duration 10]
+        [--strategies lock,segmented,lua,optimistic,unsafe] [--hold-ms 0] [--work-ms 5]
+        [--rounds 1] [--peers redis-py,redis-py-5ms,python-redis-lock,python-redis-lock-renewal]
+        [--ceiling-stock 50000] [--profile] [--json PATH]
+
+Needs DATABASE_URL and REDIS_URL (or run it through `python -m shop.devservices --`).
+
+For each contender a sale of --stock units starts, --buyers processes fork, wait at a barrier,
+and buy one unit at a time through `inventory.services.place_order` until it answers sold out
+(`Busy` is counted and retried). buys/s is units sold over the time from the barrier to the last
+sale. Contenders, all in one run so that every figure has its baseline measured beside it:
+
+- the strategies themselves;
+- `lock` and `segmented` again with --work-ms of simulated work inside each critical section
+  (a call to another service, say), where the lock rather than the CPU limits `lock`: the case
+  that shards are for;
+- peers: redis-py's `redis.lock.Lock` and python-redis-lock's `redis_lock.Lock` running the very
+  code of the `lock` strategy (`LockStrategy.take`: its pre-check, the guarded sale statement,
+  its release), with only the lock object swapped: the buyer processes set
+  FLASHSALE_LOCK_FACTORY (the seam through which the strategies build their locks) to a
+  factory of `loadtest/peer_locks.py`, so nothing but the lock differs. Same TTL and wait as
+  ours (FLASHSALE_LOCK_TTL_MS / FLASHSALE_LOCK_WAIT_MS); redis-py with its default poll `sleep`
+  of 0.1 s and with 0.005 s; python-redis-lock without and with `auto_renewal` (the
+  counterpart of our watchdog, which `lock` runs with);
+- ceilings: `EVALSHA` of the check-and-DECRBY script of `locking.StockCounter.take` in a loop
+  (Redis alone, no database: what a counter in Redis sells if Redis is its only cost);
+  `lua`'s take script over its stripe counters followed by the sale statement of
+  `inventory.stock.sell` on the stripe it names (the least a `lua` checkout can do while
+  committing its order row before it answers); and the hot row: the sale statement alone on
+  the item row, no Redis, no lock, no service code (the most any design that writes one row
+  per sale for every buyer can reach: the ceiling the strategies are held against).
+
+After each contender the sale is audited (`inventory.selectors.audit_sale`). The run exits 1 if
+any contender that should be safe (all but `unsafe`) oversold, is inconsistent or crashed, and 0
+otherwise: the targets are measurements, printed as met or missed.
+
+Beside buys/s each row shows where the CPU went, per unit sold: the buyer processes (Python,
+Django, redis-py, psycopg), their PostgreSQL backends (read from /proc when PostgreSQL runs on
+this machine) and the Redis server (INFO cpu, the whole server), plus how busy the host's CPUs
+were while the contender ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import django
+
+from .contenders import EVALSHA, PEERS, Result, contenders_for
+from .report import median_row, print_profile, print_ratios, print_table, ratios
+from .rounds import run_contender
+
+# -- command line -------------------------------------------------------------------------
+
+
+def _positive(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return number
+
+
+def _positive_float(value: str) -> float:
+    number = float(value)
+    if number <= 0:
+        raise argparse.ArgumentTypeError("must be positive")
+    return number
+
+
+def _names(value: str) -> list[str]:
+    return [name.strip() for name in value.replace(",", " ").split() if name.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="manage.py bench strategies",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--buyers", type=_positive, default=8, help="buyer processes (8)")
+    parser.add_argument("--stock", type=_positive, default=2000, help="units per sale (2000)")
+    parser.add_argument(
+        "--duration", type=_positive_float, default=10.0, help="cap per contender, seconds (10)"
+    )
+    parser.add_argument(
+        "--strategies",
+        nargs="+",
+        default=[],
+        help="strategies to run, space- or comma-separated (default: every strategy)",
+    )
+    parser.add_argument(
+        "--hold-ms",
+        type=int,
+        default=0,
+        help="simulated work inside each critical section, ms (FLASHSALE_HOLD_DELAY_MS; 0)",
+    )
+    parser.add_argument(
+        "--work-ms",
+        type=int,
+        default=5,
+        help="also run lock and segmented with this much simulated work in each critical "
+        "section (a call to another service, say): there the lock, not the CPU, limits `lock`, "
+        "which is what shards are for (5; 0 skips them)",
+    )
+    parser.add_argument(
+        "--work-buyers",
+        type=_positive,
+        default=10,
+        help="buyer processes for the --work-ms rows: more buyers than shards, so that the "
+        "shards, not the crowd, are what runs out (10)",
+    )
+    parser.add_argument(
+        "--peers",
+        nargs="*",
+        default=list(PEERS),
+        help=f"peer locks to run ({', '.join(PEERS)}); none with an empty list",
+    )
+    parser.add_argument(
+        "--ceiling-stock",
+        type=_positive,
+        default=50000,
+        help="units the raw EVALSHA ceiling sells: more than --stock, so that its far higher "
+        "rate is measured over a long enough time (50000)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=_positive,
+        default=1,
+        help="run every contender this many times, in rotating order; report medians (1)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also time, in the buyer processes, the phases that serialize checkouts (lock "
+        "wait and hold, the item row's UPDATE and hold, commit, publish) and print them",
+    )
+    parser.add_argument("--json", type=Path, help="also write the results to this file")
+    args = parser.parse_args(argv)
+    args.strategies = [name for value in args.strategies for name in _names(value)]
+    args.peers = [name for value in args.peers for name in _names(value)]
+    unknown = sorted(set(args.peers) - set(PEERS))
+    if unknown:
+        parser.error(f"unknown peers: {', '.join(unknown)}; choose from {', '.join(PEERS)}")
+    if args.hold_ms < 0:
+        parser.error("--hold-ms must be 0 or more")
+    if args.work_ms < 0:
+        parser.error("--work-ms must be 0 or more")
+    return args
+
+
+def _check_database() -> str | None:
+    """Apply missing migrations; a message when the database cannot be used."""
+    from django.core.management import call_command
+    from django.db import DEFAULT_DB_ALIAS, OperationalError, connections
+    from django.db.migrations.executor import MigrationExecutor
+
+    try:
+        connection = connections[DEFAULT_DB_ALIAS]
+        executor = MigrationExecutor(connection)
+        plan = executor.migration_plan(executor.loader.graph.leaf_nodes())
+    except OperationalError as exc:
+        return f"cannot reach the database named by DATABASE_URL: {exc}"
+    if plan:
+        print(f"applying {len(plan)} migration(s) to the benchmark database")
+        call_command("migrate", verbosity=0, interactive=False)
+    return None
+
+
+def _delete_task_queue(queue: str) -> None:
+    """Drop the private queue the checkouts published their order tasks to."""
+    from shop.celery import app
+
+    try:
+        with app.connection_for_write() as connection:
+            # Declared first: a channel deletes only the bindings it knows of.
+            bound = app.amqp.queues[queue](connection.default_channel)
+            bound.declare()
+            bound.delete()
+    except Exception as exc:  # the broker may be down; the checkouts then published nothing
+        print(f"note: could not delete the task queue {queue} ({exc})", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "shop.settings")
+    from django.core.exceptions import ImproperlyConfigured
+
+    try:
+        django.setup()
+    except ImproperlyConfigured as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from django.conf import settings
+
+    from inventory.strategies import strategy_names
+
+    args.strategies = args.strategies or strategy_names()
+    unknown = sorted(set(args.strategies) - set(strategy_names()))
+    if unknown:
+        print(f"error: unknown strategies: {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    from loadtest import sandbox
+
+    if not sandbox.active():
+        # Its items and orders stay out of the shop's database: start again in the sandbox.
+        try:
+            sandbox.enter(
+                ["-m", "loadtest.bench.strategies", *(sys.argv[1:] if argv is None else argv)]
+            )
+        except sandbox.SandboxError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    problem = _check_database()
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+
+    # Import in the parent what the buyers use, so that every fork starts warm.
+    import redis.lock  # noqa: F401
+    import redis_lock  # noqa: F401
+
+    import inventory.services  # noqa: F401
+    import inventory.strategies.lock  # noqa: F401
+    from inventory.keys import key as redis_key
+    from shop.celery import app
+
+    settings.FLASHSALE_HOLD_DELAY_MS = args.hold_ms
+    # Order tasks go to a queue of this run's own, dropped at the end: no worker of the shop
+    # picks up orders of a benchmark, and nothing piles up in the shop's queue.
+    queue = redis_key("bench", os.getpid(), "orders")
+    app.conf.task_default_queue = queue
+
+    contenders = contenders_for(args)
+    for contender in contenders:
+        if contender.name == EVALSHA:
+            contender.sku = redis_key("bench", "ceiling", "evalsha", os.getpid())
+    print(
+        f"{len(contenders)} contenders, {args.rounds} round(s): {args.buyers} buyer processes, "
+        f"{args.stock} units each (raw EVALSHA: {args.ceiling_stock}), cap {args.duration:g} s, "
+        f"hold {args.hold_ms} ms, lock TTL {settings.FLASHSALE_LOCK_TTL_MS} ms, "
+        f"{os.cpu_count()} CPUs"
+    )
+    results: dict[str, list[Result]] = {contender.name: [] for contender in contenders}
+    try:
+        for round_ in range(args.rounds):
+            shift = round_ % len(contenders)
+            for contender in contenders[shift:] + contenders[:shift]:
+                print(f"  round {round_ + 1}: {contender.name:<27}", end=" ", flush=True)
+                result = run_contender(contender, args, round_)
+                results[contender.name].append(result)
+                print(
+                    f"{result.buys_per_second:>7.0f} buys/s in {result.seconds:.2f} s"
+                    + (" ERRORS" if result.errors else ""),
+                    flush=True,
+                )
+                for error in result.errors:
+                    print(f"    {error.rstrip()}", file=sys.stderr)
+    finally:
+        _delete_task_queue(queue)
+
+    rows = [median_row(results[contender.name]) for contender in contenders]
+    print_table(rows, args.rounds)
+    if args.profile:
+        print_profile(rows)
+    by_name = {row.contender: row for row in rows}
+    checks = ratios(by_name, args.work_ms)
+    print_ratios(checks)
+    print(
+        "\nbuys/s: units sold / seconds from the start barrier to the last sale. cpu py: the "
+        "buyer processes; cpu pg: their PostgreSQL backends; cpu redis: the whole Redis server; "
+        "host cpu: all CPUs of this machine, anything else running included. p50/p99 ms: how "
+        "long one sale took a buyer (a lock that lets its waiters sleep can sell fast and still "
+        "keep some buyers waiting long)."
+    )
+
+    broken = sorted(
+        {result.contender for runs in results.values() for result in runs if result.broken}
+    )
+    crashed = sorted(
+        {result.contender for runs in results.values() for result in runs if result.errors}
+    )
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "parameters": {
+                        "buyers": args.buyers,
+                        "stock": args.stock,
+                        "duration": args.duration,
+                        "hold_ms": args.hold_ms,
+                        "work_ms": args.work_ms,
+                        "rounds": args.rounds,
+                        "ceiling_stock": args.ceiling_stock,
+                        "profile": args.profile,
+                        "lock_ttl_ms": settings.FLASHSALE_LOCK_TTL_MS,
+                        "lock_wait_ms": settings.FLASHSALE_LOCK_WAIT_MS,
+                        "cpus": os.cpu_count(),
+                    },
+                    "results": [asdict(result) for runs in results.values() for result in runs],
+                    "medians": {row.contender: row.buys_per_second for row in rows},
+                    "targets": checks,
+                    "broken": broken,
+                    "crashed": crashed,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+    if broken:
+        print(f"INVARIANT BROKEN by: {', '.join(broken)}", file=sys.stderr)
+    if crashed:
+        print(f"buyer processes failed in: {', '.join(crashed)}", file=sys.stderr)
+    return 1 if broken or crashed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
