@@ -105,6 +105,8 @@ class GroupCommit:
             return {}
         entry = reply[1].decode() if isinstance(reply[1], bytes) else reply[1]
         taken = {int(reply[i]): int(reply[i + 1]) for i in range(2, len(reply), 2)}
+        if claim is not None:
+            claim.held = True
         return Queued(request_id, entry, taken, combiner=bool(reply[0]), token=token)
 
     def settle(

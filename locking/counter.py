@@ -26,7 +26,7 @@ class KeyClaimed(Exception):
         self.claim = claim
 
 
-@dataclass(frozen=True)
+@dataclass
 class Claim:
     """A checkout's claim on its idempotency key: ``key`` names it, ``token`` is this taker's,
     ``ttl_ms`` how long it outlives a taker that never gives it up."""
@@ -34,6 +34,9 @@ class Claim:
     key: str
     ttl_ms: int
     token: str = field(default_factory=lambda: uuid.uuid4().hex)
+    #: Whether a take of this taker's set it (only a take that got units does): there is
+    #: nothing to give up, and no round trip to make, otherwise.
+    held: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.ttl_ms, bool) or not isinstance(self.ttl_ms, int) or self.ttl_ms <= 0:
@@ -115,6 +118,8 @@ class StockCounter:
             return None
         if reply[0] == self.INSUFFICIENT:
             return {}
+        if claim is not None:
+            claim.held = True
         return {int(reply[i]): int(reply[i + 1]) for i in range(0, len(reply), 2)}
 
     def lock_first_holding(
@@ -145,8 +150,11 @@ class StockCounter:
         return int(reply[0]), [int(level) for level in reply[1:]]
 
     def release_claim(self, claim: Claim) -> None:
-        """Give up ``claim`` if it is still this taker's (a twin may take again)."""
-        self._delete_if_equal(keys=[claim.key], args=[claim.token], client=self.redis)
+        """Give up ``claim`` if it is still this taker's (a twin may take again); nothing to
+        do for a claim none of its takes set."""
+        if claim.held:
+            self._delete_if_equal(keys=[claim.key], args=[claim.token], client=self.redis)
+            claim.held = False
 
     def claim_held(self, claim: Claim) -> bool:
         """Whether anyone (this taker or a twin) holds the claim's key."""
