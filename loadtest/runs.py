@@ -270,9 +270,7 @@ def _target(config: LoadRunSettings, batch: str, out: Path, progress: Progress) 
     server = ShopServer(
         env=env, workers=config.server_workers, log_path=out / "server.log", preload=True
     )
-    worker = CeleryWorker(
-        {**env, "FLASHSALE_PAYMENT_LATENCY_MS": "1"}, concurrency=2, log_path=out / "worker.log"
-    )
+    worker = CeleryWorker({**env, "FLASHSALE_PAYMENT_LATENCY_MS": "1"}, log_path=out / "worker.log")
     with ExitStack() as stack:
         # Undone in reverse: the server first (no more orders), the worker, then its queue.
         stack.callback(_delete_queue, queue, config.strategies, timezone.now(), progress)

@@ -107,7 +107,7 @@ class CeleryWorker:
     def __init__(
         self,
         env: dict[str, str],
-        concurrency: int = 2,
+        concurrency: int | None = None,
         log_path: Path | None = None,
         loglevel: str = "warning",
     ) -> None:
@@ -121,10 +121,13 @@ class CeleryWorker:
     def start(self, timeout: float = 30.0) -> CeleryWorker:
         command = [
             sys.executable, "-m", "celery", "-A", "shop", "worker",
-            "--loglevel", self.loglevel, "--concurrency", str(self.concurrency),
+            "--loglevel", self.loglevel,
             "--without-gossip", "--without-mingle", "--without-heartbeat",
             "--hostname", self.hostname,
         ]  # fmt: skip
+        if self.concurrency is not None:
+            # The pool and its size come from settings (CELERY_WORKER_POOL/_CONCURRENCY).
+            command += ["--concurrency", str(self.concurrency)]
         log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
         self.process = subprocess.Popen(
             command,

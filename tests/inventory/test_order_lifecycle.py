@@ -3,6 +3,7 @@ back exactly once, the sweeper expires what waited too long, the reconciler repa
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from io import StringIO
 
@@ -61,6 +62,54 @@ def test_a_declined_payment_gives_units_back_once(settings, strategy):
     # and the buyer may buy again
     assert BuyerAllowance.objects.get(buyer="b0").units == 0
     place_order(sku="widget", qty=3, buyer="b0")
+
+
+@pytest.mark.parametrize("strategy", ["lock", "segmented", "lua", "optimistic"])
+def test_a_batch_pays_each_order_once_and_gives_declined_units_back_once(
+    settings, monkeypatch, strategy
+):
+    # Given eight orders of two units, one already paid by an earlier delivery, a payment
+    # provider that declines every other payment, and a key that is no order
+    settings.FLASHSALE_PAYMENT_LATENCY_MS = 5
+    start_sale(sku="widget", stock=20, strategy=strategy, limit=2)
+    placed = _sell("widget", 8, qty=2)
+    Order.objects.filter(pk=placed[0].pk).update(status=OrderStatus.PAID)
+    PaymentAttempt.objects.create(order=placed[0], approved=True)
+    answers = iter([True, False] * 4)
+    drawing = threading.Lock()
+    charge = orders.charge
+
+    def every_other(order):
+        charge(order)
+        with drawing:
+            return next(answers)
+
+    monkeypatch.setattr(orders, "charge", every_other)
+    pks = [order.pk for order in placed]
+
+    # When the batch is settled, then delivered again
+    first = orders.settle_orders([*pks, 999_999])
+    again = orders.settle_orders(pks)
+
+    # Then each order was paid once: seven charged (four approved, three declined), the paid
+    # one confirmed without a second charge
+    assert len(first.confirmed) == 5 and len(first.failed) == 3, first
+    assert placed[0].pk in first.confirmed
+    assert first.skipped == [999_999]
+    assert again.confirmed == again.failed == [] and sorted(again.skipped) == sorted(pks)
+    for order in placed:
+        assert PaymentAttempt.objects.filter(order=order).count() == 1
+    statuses = dict(Order.objects.filter(pk__in=pks).values_list("pk", "status"))
+    assert {statuses[pk] for pk in first.confirmed} == {OrderStatus.CONFIRMED}
+    assert {statuses[pk] for pk in first.failed} == {OrderStatus.FAILED}
+    # and the declined units came back exactly once, to the database and to Redis
+    audit = audit_sale("widget")
+    assert audit["accepted_units"] == 10 and audit["db_stock"] == 10, audit
+    assert audit["consistent"], audit
+    if strategy in ("lua", "segmented"):
+        assert audit["redis_stock"] == 10, audit
+    declined_buyer = Order.objects.get(pk=first.failed[0]).buyer
+    assert BuyerAllowance.objects.get(buyer=declined_buyer).units == 0
 
 
 @pytest.mark.parametrize("strategy", ["segmented", "lua"])

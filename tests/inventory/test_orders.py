@@ -7,17 +7,20 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from http.client import HTTPConnection
 
 import pytest
+from django.db import connection
 from django.db.models import Count
 
+from inventory import orders, services
 from inventory.models import LIVE_STATUSES, Item, Order, OrderStatus, PaymentAttempt
 from inventory.orders import sweep_orders
 from inventory.selectors import audit_sale
-from inventory.services import start_sale
+from inventory.services import place_order, start_sale
 from loadtest.flood import flood
 from shop.processes.redis_server import RedisServer
 from shop.processes.servers import PROJECT_DIR as ROOT
@@ -60,6 +63,39 @@ def test_a_worker_confirms_every_accepted_order(shop_server):
     assert _statuses(sku) == {OrderStatus.CONFIRMED: 200}
     assert PaymentAttempt.objects.filter(order__item__sku=sku).count() == 200
     assert _payments_per_order(sku) == {1}
+
+
+def _sessions_opened() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
+        cursor.execute("SELECT sessions FROM pg_stat_database WHERE datname = current_database()")
+        return cursor.fetchone()[0]
+
+
+def test_a_worker_keeps_its_database_connection_from_task_to_task(monkeypatch):
+    # Given a worker on one thread whose connections may live a minute, warmed by one batch
+    worker = start_worker(concurrency=1, DJANGO_CONN_MAX_AGE=60, FLASHSALE_PAYMENT_LATENCY_MS=0)
+    try:
+        monkeypatch.setattr(services, "order_placed", lambda pk: None)
+        sku = f"reuse-{uuid.uuid4().hex[:6]}"
+        start_sale(sku=sku, stock=30, strategy="lua")
+        placed = [place_order(sku=sku, qty=1, buyer=f"b{n}").order.pk for n in range(21)]
+        assert orders.publish_orders(placed[:1])
+        assert wait_until(lambda: Order.objects.get(pk=placed[0]).status != "pending", timeout=30)
+        time.sleep(1.5)  # the statistics of sessions that ended are flushed as they end
+        before = _sessions_opened()
+
+        # When it settles twenty batches, one after another
+        for pk in placed[1:]:
+            assert orders.publish_orders([pk])
+        assert wait_until(lambda: _all_settled(sku), timeout=60), _statuses(sku)
+        time.sleep(1.5)
+    finally:
+        worker.stop()
+
+    # Then it did so without opening a connection per task (Celery's default, unless told)
+    assert _statuses(sku) == {OrderStatus.CONFIRMED: 21}
+    assert _sessions_opened() - before <= 2
 
 
 def test_a_killed_worker_loses_nothing_and_pays_nothing_twice(shop_server, settings):

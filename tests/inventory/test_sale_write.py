@@ -16,12 +16,12 @@ from django.db import connections
 import inventory.services
 from inventory import orders, stock
 from inventory.exceptions import Busy
-from inventory.models import BuyerAllowance, Item, Order, StockShard
+from inventory.models import BuyerAllowance, Item, Order, OrderStatus, PaymentAttempt, StockShard
 from inventory.redis_client import get_redis_client
 from inventory.selectors import audit_sale
 from inventory.services import place_order, start_sale
 from inventory.strategies import get_strategy
-from inventory.tasks import dispatch_orders_task
+from inventory.tasks import dispatch_orders_task, settle_orders_task
 from shop.processes.servers import PROJECT_DIR as ROOT
 from tests.conftest import TASK_QUEUE, server_env
 
@@ -133,7 +133,7 @@ def _newest_message(client) -> dict:
     }
 
 
-def test_forty_orders_go_to_the_broker_as_one_message_then_one_task_each(monkeypatch):
+def test_forty_orders_go_to_the_broker_as_one_message_settled_as_one_batch(monkeypatch, settings):
     # Given forty committed orders handed to a publisher with no thread of its own
     monkeypatch.setattr(inventory.services, "order_placed", lambda pk: None)
     start_sale(sku="batch", stock=40, strategy="lua")
@@ -151,17 +151,23 @@ def test_forty_orders_go_to_the_broker_as_one_message_then_one_task_each(monkeyp
     assert sent == 40
     assert client.llen(TASK_QUEUE) == queued + 1
     message = _newest_message(client)
-    assert message["task"] == "inventory.tasks.dispatch_orders_task"
+    assert message["task"] == "inventory.tasks.settle_orders_task"
     assert message["args"] == [placed]
     assert publisher.flush() == 0  # nothing twice
 
-    # and the dispatch task, run as a worker would, enqueues one order task per order
-    assert dispatch_orders_task.apply(args=(placed,)).get() == 40
-    assert client.llen(TASK_QUEUE) == queued + 1 + 40
-    assert _newest_message(client) == {
-        "task": "inventory.tasks.process_order_task",
-        "args": [placed[-1]],
+    # and the task, run as a worker would, confirms all forty and publishes nothing more
+    settings.FLASHSALE_PAYMENT_LATENCY_MS = 1
+    assert settle_orders_task.apply(args=(placed,)).get() == {
+        "confirmed": 40,
+        "failed": 0,
+        "skipped": 0,
     }
+    assert client.llen(TASK_QUEUE) == queued + 1
+    assert Order.objects.filter(pk__in=placed, status=OrderStatus.CONFIRMED).count() == 40
+    assert PaymentAttempt.objects.filter(order__in=placed).count() == 40
+    # a message of the task's former name is settled the same way (nothing left to do here)
+    assert dispatch_orders_task.apply(args=(placed,)).get()["skipped"] == 40
+    assert PaymentAttempt.objects.filter(order__in=placed).count() == 40
 
 
 def test_a_process_that_exits_cleanly_sends_the_orders_it_still_holds():
@@ -194,7 +200,7 @@ def test_a_process_that_exits_cleanly_sends_the_orders_it_still_holds():
     order_pk = int(result.stdout.split()[-1])
     assert client.llen(TASK_QUEUE) == queued + 1
     assert _newest_message(client) == {
-        "task": "inventory.tasks.dispatch_orders_task",
+        "task": "inventory.tasks.settle_orders_task",
         "args": [[order_pk]],
     }
 
