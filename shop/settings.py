@@ -93,6 +93,9 @@ if "DATABASE_URL" not in env:
 DATABASES = {"default": env.db("DATABASE_URL")}
 DATABASES["default"]["CONN_MAX_AGE"] = env.int("DJANGO_CONN_MAX_AGE", default=60)
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+    # The same backend, whose health check asks the socket instead of sending `SELECT 1`.
+    DATABASES["default"]["ENGINE"] = "shop.postgresql"
 # Lets the sale statement be prepared once per connection (inventory.stock); Django's own
 # queries never are. Turn off behind a pooler in transaction mode that cannot keep them.
 if env.bool("DJANGO_DB_PREPARED_STATEMENTS", default=True):
