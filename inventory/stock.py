@@ -111,20 +111,10 @@ HALF_DONE_SQLSTATE = "FS001"
 LOCK_NOT_AVAILABLE_SQLSTATE = "55P03"
 
 
-def sell(
-    *,
-    item: Item,
-    qty: int,
-    buyer: str,
-    served_by: str,
-    idempotency_key: str | None = None,
-    limit: int | None = None,
-    fallback: bool = False,
-    shard_units: dict[int, int] | None = None,
-    expected_version: int | None = None,
-    set_stock: int | None = None,
-) -> Sold | None:
-    """Take qty units of item's current sale and write the buyer's order, in one statement.
+def sell(order: SaleRecorder, allocation: Allocation) -> Sold | None:
+    """Take the order's units of its item's current sale and write the order, in one statement:
+    `order` says what the buyer takes (item, quantity, buyer, key, limit), `allocation` where
+    the units come from and which strategy serves them.
 
     Where the units come from:
     - an item sold from stock rows (`item.shard_count > 0`) gives `shard_units`, the units to
@@ -149,6 +139,10 @@ def sell(
     nothing is written). Outside a transaction the statement commits on return; inside one it
     is part of it, and the lock timeout it sets holds until that transaction ends.
     """
+    item, qty = order.item, order.qty
+    shard_units, set_stock = allocation.shard_units, allocation.set_stock
+    expected_version, limit = allocation.expected_version, order.limit
+    served_by, fallback = allocation.strategy, order.fallback or allocation.fallback
     shards = sorted((shard_units or {}).items())
     if shards and (expected_version is not None or set_stock is not None):
         raise ValueError("a sale from stock rows takes no item version and no absolute stock")
@@ -159,13 +153,14 @@ def sell(
         )
     units = {str(index): units for index, units in shards} or None
     now = timezone.now()
+    public_id = uuid.uuid4()
     params: dict[str, object] = {
-        "public_id": uuid.uuid4(),
+        "public_id": public_id,
         "item": item.pk,
         "sale": item.current_sale_id,
         "qty": qty,
-        "buyer": buyer,
-        "key": idempotency_key or None,
+        "buyer": order.buyer,
+        "key": order.idempotency_key or None,
         "served_by": served_by,
         "fallback": fallback,
         "shard_units": None if units is None else json.dumps(units),
@@ -200,20 +195,14 @@ def sell(
         if current_sale != item.current_sale_id:
             raise SaleRestarted(f"{item.sku}: sale {item.current_sale_id} is over")
         return None
-    fields = {
-        "id": order_id,
-        "public_id": params["public_id"],
-        "sale_id": item.current_sale_id,
-        "buyer": buyer,
-        "qty": qty,
-        "status": OrderStatus.PENDING,
-        "idempotency_key": params["key"],
-        "served_by": served_by,
-        "fallback": fallback,
-        "shard_units": units,
-        "created_at": now,
-        "updated_at": now,
-    }
+    fields = order.order_fields(
+        order_id=order_id,
+        public_id=public_id,
+        served_by=served_by,
+        fallback=fallback,
+        shard_units=units,
+        placed_at=now,
+    )
     levels = {int(index): left for index, left in (row[3] or {}).items()} if shards else {}
     return Sold(item=item, order_fields=fields, item_stock=item_stock, shard_levels=levels)
 
@@ -264,18 +253,7 @@ class SaleRecorder:
     fallback: bool = False
 
     def __call__(self, allocation: Allocation) -> Sold | None:
-        return sell(
-            item=self.item,
-            qty=self.qty,
-            buyer=self.buyer,
-            served_by=allocation.strategy,
-            idempotency_key=self.idempotency_key,
-            limit=self.limit,
-            fallback=self.fallback or allocation.fallback,
-            shard_units=allocation.shard_units,
-            expected_version=allocation.expected_version,
-            set_stock=allocation.set_stock,
-        )
+        return sell(self, allocation)
 
     def as_fallback(self) -> SaleRecorder:
         return replace(self, fallback=True)
@@ -304,22 +282,41 @@ class SaleRecorder:
         placed_at: datetime,
     ) -> Sold:
         """The sale `sell_batch` committed for this checkout (`public_id`: its request's)."""
-        units = {str(index): taken for index, taken in sorted(shard_units.items())}
-        fields = {
+        fields = self.order_fields(
+            order_id=order_id,
+            public_id=uuid.UUID(public_id),
+            served_by=served_by,
+            fallback=self.fallback,
+            shard_units={str(index): taken for index, taken in sorted(shard_units.items())},
+            placed_at=placed_at,
+        )
+        return Sold(item=self.item, order_fields=fields, item_stock=None)
+
+    def order_fields(
+        self,
+        *,
+        order_id: int,
+        public_id: uuid.UUID,
+        served_by: str,
+        fallback: bool,
+        shard_units: dict[str, int] | None,
+        placed_at: datetime,
+    ) -> dict[str, Any]:
+        """The committed order row's fields, for building its `Order` without reading it."""
+        return {
             "id": order_id,
-            "public_id": uuid.UUID(public_id),
+            "public_id": public_id,
             "sale_id": self.item.current_sale_id,
             "buyer": self.buyer,
             "qty": self.qty,
             "status": OrderStatus.PENDING,
             "idempotency_key": self.idempotency_key or None,
             "served_by": served_by,
-            "fallback": self.fallback,
-            "shard_units": units,
+            "fallback": fallback,
+            "shard_units": shard_units,
             "created_at": placed_at,
             "updated_at": placed_at,
         }
-        return Sold(item=self.item, order_fields=fields, item_stock=None)
 
 
 class _PreparingCursor(psycopg.Cursor):

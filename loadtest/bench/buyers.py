@@ -43,15 +43,17 @@ def _sell_directly(sku: str, label: str, worker: int, served_by: str) -> Callabl
     """One sale statement of `inventory.stock.sell` (guarded UPDATE of the item row, order
     INSERT, commit), called directly: no service, no Redis, no lock."""
     from inventory.models import Item
-    from inventory.stock import sell, simulate_work
+    from inventory.stock import SaleRecorder, sell, simulate_work
+    from inventory.strategies.base import Allocation
 
     item = Item.objects.get(sku=sku)
     serial = iter(range(10**9))
+    allocation = Allocation(served_by)
 
     def buy() -> bool:
         simulate_work()
-        sold = sell(item=item, qty=1, buyer=f"{label}-{worker}-{next(serial)}", served_by=served_by)
-        return sold is not None
+        order = SaleRecorder(item=item, qty=1, buyer=f"{label}-{worker}-{next(serial)}")
+        return sell(order, allocation) is not None
 
     return buy
 
@@ -66,8 +68,9 @@ def _buy_by_evalsha_and_sell(sku: str, label: str, worker: int) -> Callable[[], 
     counters), then the sale statement on the stripe it names, and nothing else."""
     from inventory import keys
     from inventory.models import Item
-    from inventory.stock import sell
+    from inventory.stock import SaleRecorder, sell
     from inventory.strategies import plumbing
+    from inventory.strategies.base import Allocation
 
     item = Item.objects.get(sku=sku)
     counter = plumbing.counter()
@@ -80,8 +83,8 @@ def _buy_by_evalsha_and_sell(sku: str, label: str, worker: int) -> Callable[[], 
             raise RuntimeError(f"the stripe counters of {sku} are missing")
         if not plan:
             return False
-        buyer = f"{label}-{worker}-{next(serial)}"
-        return sell(item=item, qty=1, buyer=buyer, served_by="lua", shard_units=plan) is not None
+        order = SaleRecorder(item=item, qty=1, buyer=f"{label}-{worker}-{next(serial)}")
+        return sell(order, Allocation("lua", shard_units=plan)) is not None
 
     return buy
 

@@ -21,6 +21,7 @@ from inventory.redis_client import get_redis_client
 from inventory.selectors import audit_sale
 from inventory.services import place_order, start_sale
 from inventory.strategies import get_strategy
+from inventory.strategies.base import Allocation
 from inventory.tasks import dispatch_orders_task, settle_orders_task
 from shop.processes.servers import PROJECT_DIR as ROOT
 from tests.conftest import TASK_QUEUE, server_env
@@ -45,7 +46,7 @@ def test_a_write_refused_part_way_changes_nothing():
 
     # When one statement asks for a unit from each (shard 0 passes its guard, shard 1 fails)
     with pytest.raises(stock.HalfDone):
-        stock.sell(item=item, qty=2, buyer="b", served_by="optimistic", shard_units={0: 1, 1: 1})
+        _sell(item, 2, "b", Allocation("optimistic", shard_units={0: 1, 1: 1}))
 
     # Then PostgreSQL undid shard 0's decrement too: nothing changed, no order
     assert _rows("split") == before
@@ -56,9 +57,7 @@ def test_a_stale_version_refuses_the_whole_sale():
     item = Item.objects.get(sku="stale")
     before = _rows("stale")
 
-    refused = stock.sell(
-        item=item, qty=1, buyer="b", served_by="optimistic", limit=2, expected_version=999
-    )
+    refused = _sell(item, 1, "b", Allocation("optimistic", expected_version=999), limit=2)
 
     assert refused is None
     assert _rows("stale") == before
@@ -69,7 +68,7 @@ def test_a_sale_writes_stock_allowance_and_order_at_once():
     start_sale(sku="once", stock=5, strategy="optimistic", limit=3)
     item = Item.objects.get(sku="once")
 
-    sold = stock.sell(item=item, qty=2, buyer="ann", served_by="optimistic", limit=3)
+    sold = _sell(item, 2, "ann", Allocation("optimistic"), limit=3)
 
     assert sold is not None and sold.item_stock == 3
     order = Order.objects.get(pk=sold.order.pk)
@@ -92,9 +91,7 @@ def test_a_sale_from_stock_rows_writes_its_rows_and_never_the_item_row(strategy)
     raw.execute("SELECT 1 FROM inventory_item WHERE id = %s FOR NO KEY UPDATE", [item.pk])
     try:
         # When units are sold from two rows, one row and through the strategy itself
-        sold = stock.sell(
-            item=item, qty=3, buyer="ann", served_by=strategy, limit=5, shard_units={2: 1, 7: 2}
-        )
+        sold = _sell(item, 3, "ann", Allocation(strategy, shard_units={2: 1, 7: 2}), limit=5)
         place_order(sku="rows", qty=1, buyer="bob")
     finally:
         raw.rollback()
@@ -118,11 +115,16 @@ def test_a_checkout_for_a_restarted_sale_takes_nothing_from_the_new_one():
 
     # When its sale statement runs
     with pytest.raises(stock.SaleRestarted):
-        stock.sell(item=stale, qty=1, buyer="b", served_by="optimistic")
+        _sell(stale, 1, "b", Allocation("optimistic"))
 
     # Then it is refused: no unit of the new sale goes to an order of the old one
     assert Item.objects.get(sku="again").units_left == 5
     assert not Order.objects.filter(item=stale).exists()
+
+
+def _sell(item, qty, buyer, allocation, *, limit=None):
+    """The sale statement, as a strategy's recorder runs it."""
+    return stock.sell(stock.SaleRecorder(item=item, qty=qty, buyer=buyer, limit=limit), allocation)
 
 
 def _newest_message(client) -> dict:
