@@ -105,8 +105,11 @@ def test_a_killed_worker_loses_nothing_and_pays_nothing_twice(shop_server, setti
     result = flood(shop_server.url, sku, attempts=200, concurrency=16)
     assert result.accepted == 200
 
-    # When a worker is SIGKILLed mid-batch, in the middle of payments
-    first = start_worker(concurrency=4, FLASHSALE_PAYMENT_LATENCY_MS=40)
+    # When a worker is SIGKILLed mid-batch, in the middle of payments (one at a time, so that
+    # its batches take long enough to be caught half paid)
+    first = start_worker(
+        concurrency=4, FLASHSALE_PAYMENT_LATENCY_MS=40, FLASHSALE_PAYMENT_CONCURRENCY=1
+    )
     try:
         assert wait_until(
             lambda: Order.objects.filter(item__sku=sku, status=OrderStatus.CONFIRMED).count() >= 40,
@@ -162,7 +165,12 @@ def test_on_rabbitmq_a_killed_workers_orders_come_back_without_the_sweeper():
     assert result.accepted == 120 and result.server_errors == 0
 
     try:
-        first = start_worker(concurrency=4, FLASHSALE_PAYMENT_LATENCY_MS=40, **broker)
+        first = start_worker(
+            concurrency=4,
+            FLASHSALE_PAYMENT_LATENCY_MS=40,
+            FLASHSALE_PAYMENT_CONCURRENCY=1,
+            **broker,
+        )
         try:
             assert wait_until(
                 lambda: (
