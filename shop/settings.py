@@ -226,7 +226,7 @@ FLASHSALE_PAYMENT_LATENCY_MS = env.int("FLASHSALE_PAYMENT_LATENCY_MS", default=5
 FLASHSALE_PAYMENT_FAILURE_RATE = env.float("FLASHSALE_PAYMENT_FAILURE_RATE", default=0.0)
 # How many payments of one batch a worker process waits on at once (threads; no database
 # connection each: the batch's one transaction records them).
-FLASHSALE_PAYMENT_CONCURRENCY = env.int("FLASHSALE_PAYMENT_CONCURRENCY", default=32)
+FLASHSALE_PAYMENT_CONCURRENCY = env.int("FLASHSALE_PAYMENT_CONCURRENCY", default=128)
 # Checkout hands its orders to a background publisher, which sends them to the broker as one
 # message per this many milliseconds (at most FLASHSALE_PUBLISH_BATCH orders each); a worker
 # settles each message's orders as one batch. 0 publishes every order from the request itself.

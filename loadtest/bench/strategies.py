@@ -155,7 +155,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _check_database() -> str | None:
+def check_database() -> str | None:
     """Apply missing migrations; a message when the database cannot be used."""
     from django.core.management import call_command
     from django.db import DEFAULT_DB_ALIAS, OperationalError, connections
@@ -173,7 +173,7 @@ def _check_database() -> str | None:
     return None
 
 
-def _delete_task_queue(queue: str) -> None:
+def delete_task_queue(queue: str) -> None:
     """Drop the private queue the checkouts published their order tasks to."""
     from shop.celery import app
 
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         except sandbox.SandboxError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-    problem = _check_database()
+    problem = check_database()
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                 for error in result.errors:
                     print(f"    {error.rstrip()}", file=sys.stderr)
     finally:
-        _delete_task_queue(queue)
+        delete_task_queue(queue)
 
     rows = [median_row(results[contender.name]) for contender in contenders]
     print_table(rows, args.rounds)

@@ -1,9 +1,10 @@
-"""`manage.py bench strategies|locks [ARGS...]`: the benchmarks without HTTP (`make bench`).
+"""`manage.py bench strategies|locks|settle [ARGS...]`: the benchmarks without HTTP (`make bench`).
 
 `bench strategies` is `python -m loadtest.bench_strategies` (every strategy, the peer locks
 and the ceilings, in the load-run sandbox); `bench locks` is `python -m loadtest.bench_locks`
-(our lock and the peers' with no database). ARGS go to them as they are: `bench strategies
---help` lists them.
+(our lock and the peers' with no database); `bench settle` is the order pipeline
+(`loadtest.bench.settle`: what workers settle against what a flood accepts). ARGS go to them
+as they are: `bench strategies --help` lists them.
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ from django.core.management.base import BaseCommand, CommandParser
 BENCHMARKS = {
     "strategies": "loadtest.bench.strategies",
     "locks": "loadtest.bench_locks",
+    "settle": "loadtest.bench.settle",
 }
 
 
 class Command(BaseCommand):
     help = (
         "Run a benchmark without HTTP: `bench strategies` (every strategy against the peers "
-        "and the ceilings) or `bench locks` (the locks alone); the arguments after it go to "
-        "the benchmark (`bench strategies --help`)."
+        "and the ceilings), `bench locks` (the locks alone) or `bench settle` (the order "
+        "workers against a flood); the arguments after it go to the benchmark "
+        "(`bench strategies --help`)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
