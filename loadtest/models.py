@@ -38,6 +38,12 @@ class SaleRun(models.Model):
     sold_out_after_seconds = models.FloatField(null=True, blank=True)
     fallback_activations = models.PositiveIntegerField(null=True, blank=True)
     lock_wait_p99_ms = models.FloatField(null=True, blank=True)
+    settle_p50_ms = models.FloatField(
+        null=True, blank=True, help_text="Time from an order's 201 to its final status: median."
+    )
+    settle_p99_ms = models.FloatField(
+        null=True, blank=True, help_text="Time from an order's 201 to its final status: 99th pct."
+    )
     audit = models.JSONField(default=dict, blank=True)
     history = models.JSONField(
         default=list, blank=True, help_text="Per-second samples: requests/s, p95, units sold."

@@ -37,6 +37,8 @@ COLUMNS = [
     ("failures", "failed"),
     ("fallback_activations", "fallback"),
     ("lock_wait_p99_ms", "lock p99 ms"),
+    ("settle_p50_ms", "settle p50 ms"),
+    ("settle_p99_ms", "settle p99 ms"),
 ]
 #: Figures a run keeps in its audit JSON rather than in a field of its own.
 AUDIT_FIGURES = {"lost_updates"}
@@ -59,7 +61,8 @@ LEGEND = (
     "opening to the last unit; <em>oversold</em>: accepted beyond the stock; <em>lost "
     "updates</em>: units accepted beyond what the stock went down by; <em>remaining</em>: "
     "stock not sold; <em>x HTTP</em>: requests/s as a share of the baseline measured in the "
-    "same batch against a no-op endpoint."
+    "same batch against a no-op endpoint; <em>settle p50/p99 ms</em>: from an order's 201 to "
+    "its final status (paid and confirmed, or failed), the worker running throughout."
 )
 
 
@@ -113,6 +116,13 @@ def notes(runs: Sequence[SaleRun]) -> list[str]:
                 f"({ended.get(window.get('ended_by') or '', 'it ended')}): "
                 "its units/s covers only that"
             )
+        settle = run.audit.get("settle") or {}
+        if settle.get("unsettled"):
+            lines.append(
+                f"{run.strategy}: {settle['unsettled']} of {settle['orders']} orders were not "
+                f"settled {settle.get('waited_seconds') or 0:g} s after the sale: its settle "
+                "lag covers the settled ones only"
+            )
         if run.strategy != BASELINE and not run.audit.get("sold_out", True):
             lines.append(
                 f"{run.strategy}: {run.audit.get('db_stock')} units were left "
@@ -164,6 +174,8 @@ def summary_line(run: SaleRun) -> str:
             f"lost updates {run.audit.get('lost_updates')}",
             f"remaining {run.remaining}",
         ]
+        if run.settle_p99_ms is not None:
+            parts.append(f"settled in {run.settle_p50_ms:.0f}/{run.settle_p99_ms:.0f} ms (p50/p99)")
     if run.failures:
         parts.append(f"{run.failures} failed requests")
     return ", ".join(parts)
@@ -221,7 +233,16 @@ def charts(labelled: Sequence[tuple[str, SaleRun]]) -> list[str]:
             "Units sold over time (s)",
             [(label, [(s["t"], s["units_sold"]) for s in run.history]) for label, run in sales],
         ),
+        line_chart(
+            "Orders pending, from the opening (s)",
+            [(label, pending_series(run)) for label, run in sales],
+        ),
     ]
+
+
+def pending_series(run: SaleRun) -> list[tuple[float, float]]:
+    """(seconds from the opening, orders pending) of a run, one point a second."""
+    return [(second, count) for second, count in (run.audit.get("settle") or {}).get("pending", [])]
 
 
 def render_html(runs: Sequence[SaleRun]) -> str:

@@ -48,7 +48,7 @@ from django.db.models import Sum
 from django.utils import timezone
 
 from inventory.exceptions import InvalidRequest
-from inventory.models import LIVE_STATUSES, Item, Order
+from inventory.models import LIVE_STATUSES, Item, Order, OrderStatus
 from inventory.orders import OPEN_STATUSES
 from inventory.selectors import audit_sale
 from inventory.services import start_sale
@@ -57,6 +57,11 @@ from shop.processes.servers import PROJECT_DIR, CeleryWorker, ShopServer
 
 from .models import SaleRun
 from .report import BASELINE, summary_line, write_report
+
+#: Seconds a sale's orders may take to settle after it sold out before the batch goes on.
+SETTLE_TIMEOUT = 30.0
+#: Order statuses that end the lifecycle: the settle lag runs from the 201 to one of them.
+FINAL_STATUSES = (OrderStatus.CONFIRMED, OrderStatus.FAILED, OrderStatus.EXPIRED)
 
 LOCUSTFILE = PROJECT_DIR / "loadtest" / "locustfile.py"
 #: Locust exit code for a run whose audit found oversell (see the locustfile).
@@ -99,7 +104,8 @@ class LoadRunSettings:
     workers: int = 1
     qty: int = 1
     server_workers: int = 8
-    settle_timeout: float | None = None
+    #: How long to wait, after each sale, for the worker to settle its orders (None: no wait).
+    settle_timeout: float | None = SETTLE_TIMEOUT
     warmup: float | None = None
     #: A sized stock lasts window x headroom at the probe's pace: room for a faster sale.
     headroom: float = 1.5
@@ -133,6 +139,10 @@ class LoadRunSettings:
             (self.warmup is None or 0 <= self.warmup <= 60, "warmup: from 0 to 60 seconds"),
             (1 <= self.headroom <= 10, "headroom: from 1 to 10"),
             (0 <= self.unsafe_delay_ms <= 10_000, "unsafe delay: from 0 to 10000 ms"),
+            (
+                self.settle_timeout is None or 0 <= self.settle_timeout <= 3600,
+                "settle timeout: from 0 to 3600 seconds",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -270,7 +280,7 @@ def _target(config: LoadRunSettings, batch: str, out: Path, progress: Progress) 
     server = ShopServer(
         env=env, workers=config.server_workers, log_path=out / "server.log", preload=True
     )
-    worker = CeleryWorker({**env, "FLASHSALE_PAYMENT_LATENCY_MS": "1"}, log_path=out / "worker.log")
+    worker = CeleryWorker(env, log_path=out / "worker.log")
     with ExitStack() as stack:
         # Undone in reverse: the server first (no more orders), the worker, then its queue.
         stack.callback(_delete_queue, queue, config.strategies, timezone.now(), progress)
@@ -346,9 +356,9 @@ def _sell(
     """Probe (unless the stock is fixed), then sell out one sale of run.sku and audit it;
     return Locust's exit code for the sale.
 
-    The audit does not wait for the worker unless `settle_timeout` says so: with payments
-    that never fail, pending orders hold their units as firmly as confirmed ones, and the
-    worker goes on with them during the next runs, as it would in production.
+    The sale's orders are then given `settle_timeout` seconds to settle (the worker has been
+    paying them all along) and their settle lag is recorded. The audit does not depend on it:
+    with payments that never fail, pending orders hold their units as firmly as confirmed ones.
     """
     stock = config.stock
     if stock is None:
@@ -381,6 +391,7 @@ def _sell(
     if config.settle_timeout:
         _settle(run.sku, timeout=config.settle_timeout)
     _record_audit(run, sale.opens_at, config)
+    _record_settling(run, sale.opens_at, waited=config.settle_timeout)
     return exit_code
 
 
@@ -599,6 +610,70 @@ def _settle(sku: str, *, timeout: float) -> bool:
             return True
         time.sleep(0.25)
     return False
+
+
+def _record_settling(run: SaleRun, opened_at: datetime, *, waited: float | None) -> None:
+    """The settle lag of the sale's orders (from the 201 to a final status: p50, p99), the
+    orders not settled when it was measured, and how many were pending, second by second."""
+    orders = list(
+        Order.objects.filter(sale_id=_current_sale_id(run.sku)).values_list(
+            "created_at", "updated_at", "status"
+        )
+    )
+    settle = settle_figures(orders, opened_at)
+    settle["waited_seconds"] = waited
+    run.audit["settle"] = settle
+    run.settle_p50_ms = settle["p50_ms"]
+    run.settle_p99_ms = settle["p99_ms"]
+
+
+def settle_figures(
+    orders: list[tuple[datetime, datetime, str]], opened_at: datetime
+) -> dict[str, Any]:
+    """From (created_at, updated_at, status) of a sale's orders: the settle lag of the final
+    ones (an order's updated_at is the time of its last change, the one that made it final),
+    how many are still open, and the most orders pending in each second from the opening."""
+    lags = sorted(
+        (updated - created).total_seconds() * 1000
+        for created, updated, status in orders
+        if status in FINAL_STATUSES
+    )
+    unsettled = sum(1 for *_, status in orders if status not in FINAL_STATUSES)
+
+    def percentile(share: float) -> float | None:
+        if not lags:
+            return None
+        return round(lags[min(len(lags) - 1, math.ceil(share * len(lags)) - 1)], 1)
+
+    # +1 at each order's creation, -1 when it became final; the most pending in each second.
+    changes = [((created - opened_at).total_seconds(), 1) for created, _, _ in orders]
+    changes += [
+        ((updated - opened_at).total_seconds(), -1)
+        for _, updated, status in orders
+        if status in FINAL_STATUSES
+    ]
+    changes.sort()
+    pending: list[list[float]] = []
+    if changes:
+        level, index = 0, 0
+        first = max(0, math.floor(changes[0][0]))
+        last = max(first, math.floor(changes[-1][0]))
+        for second in range(first, last + 1):
+            peak = level  # pending as the second begins
+            while index < len(changes) and changes[index][0] < second + 1:
+                level += changes[index][1]
+                peak = max(peak, level)
+                index += 1
+            pending.append([second, peak])
+        pending.append([last + 1, level])
+    return {
+        "orders": len(orders),
+        "settled": len(lags),
+        "unsettled": unsettled,
+        "p50_ms": percentile(0.5),
+        "p99_ms": percentile(0.99),
+        "pending": pending,
+    }
 
 
 def units_left(audit: dict[str, Any]) -> int:

@@ -37,6 +37,9 @@ def _batch(batch: str) -> list[SaleRun]:
             oversold=0,
             remaining=0,
             history=_history(50),
+            settle_p50_ms=321.5,
+            settle_p99_ms=876.5,
+            audit={"settle": {"orders": 50, "unsettled": 0, "pending": [[0, 0], [1, 20], [2, 0]]}},
             **common,
         ),  # fmt: skip
         SaleRun.objects.create(
@@ -72,7 +75,7 @@ def test_staff_without_the_permission_compare_runs_but_start_none():
     _batch("seen")
     viewer = _login("viewer", may_start=False)
     page = viewer.get("/admin/compare/").content.decode()
-    assert page.count('role="img"') == 5 and 'aria-label="Start a load run"' not in page
+    assert page.count('role="img"') == 6 and 'aria-label="Start a load run"' not in page
     assert "Can start a load run from the compare page" in page
     response = viewer.post("/admin/compare/", {"strategies": ["lua"], "users": 5, "spawn_rate": 5})
     assert response.status_code == 403
@@ -114,10 +117,13 @@ def test_the_latest_batch_is_compared_with_table_and_charts(staff_client):
     _batch("older")
     runs = _batch("newer")
     page = staff_client.get("/admin/compare/").content.decode()
-    assert page.count('role="img"') == 5
+    assert page.count('role="img"') == 6
     for run in runs:
         assert f'value="{run.pk}" checked' in page
     assert "0.33" in page  # lua's 300 req/s against the 900 req/s HTTP ceiling
+    # the settle lag, in the table and as pending orders over time
+    assert "settle p99 ms" in page and "876" in page and "322" in page
+    assert "Orders pending, from the opening" in page
 
 
 def test_chosen_runs_and_filters(staff_client):
@@ -162,7 +168,7 @@ def test_a_run_started_from_the_page_runs_on_a_worker_and_appears(staff_client, 
     finally:
         worker.stop()
     done = staff_client.get(response["Location"]).content.decode()
-    assert "is done" in done and done.count('role="img"') == 5
+    assert "is done" in done and done.count('role="img"') == 6
     lua = SaleRun.objects.get(strategy="lua")
     assert lua.status == SaleRun.Status.DONE and lua.oversold == 0 and lua.accepted_units == 10
     # The batch's report went where the worker's FLASHSALE_REPORTS_DIR says, and parses.

@@ -14,7 +14,7 @@ from django.test import Client
 
 from loadtest.models import SaleRun
 from loadtest.report import table
-from loadtest.runs import LoadRunSettings, measure_window
+from loadtest.runs import LoadRunSettings, measure_window, settle_figures
 from shop.processes.servers import PROJECT_DIR as ROOT
 from tests.conftest import server_env
 
@@ -124,3 +124,25 @@ def test_the_compare_page_leads_with_the_window_and_says_when_it_was_short():
     assert "<td>3.5 short</td>" in page
     assert "its window lasted 3.5 s, not 10 s (the stock ran out)" in page
     assert page.index("Units/s over the window") < page.index("Throughput (requests/s)")
+
+
+def test_the_settle_lag_counts_final_orders_and_pending_peaks_each_second():
+    # Given twenty orders a tenth of a second apart, each final 0.3 s after its 201, and one
+    # still pending
+    opened = datetime(2026, 11, 23, tzinfo=UTC)
+    orders = [
+        (
+            opened + timedelta(seconds=0.1 * n),
+            opened + timedelta(seconds=0.1 * n + 0.3),
+            "confirmed",
+        )
+        for n in range(20)
+    ] + [(opened + timedelta(seconds=2.5), opened + timedelta(seconds=2.5), "pending")]
+
+    figures = settle_figures(orders, opened)
+
+    assert (figures["orders"], figures["settled"], figures["unsettled"]) == (21, 20, 1)
+    assert figures["p50_ms"] == figures["p99_ms"] == pytest.approx(300.0)
+    # three at most were pending at once in each busy second; the open one stays
+    assert figures["pending"] == [[0, 3], [1, 3], [2, 3], [3, 1]]
+    assert settle_figures([], opened)["p99_ms"] is None

@@ -42,6 +42,7 @@ def test_a_short_load_run_records_audits_and_reports_every_strategy(tmp_path):
     # Then it succeeds and prints the comparison
     assert result.returncode == 0, result.stderr[-3000:]
     assert "strategy" in result.stdout and "x HTTP" in result.stdout
+    assert "settle p50 ms" in result.stdout
     # and a sale run was recorded for the baseline and each strategy, in one batch
     batch = re.search(r"^batch (\S+):", result.stderr, re.MULTILINE).group(1)
     runs = {run.strategy: run for run in SaleRun.objects.filter(batch=batch)}
@@ -54,15 +55,23 @@ def test_a_short_load_run_records_audits_and_reports_every_strategy(tmp_path):
         assert run.requests > 0 and run.p99_ms is not None and run.history
         assert run.baseline_requests_per_second == runs["baseline"].requests_per_second
         assert run.history[-1]["units_sold"] == 20, run.history[-1]
+        # the worker settled every order, and how long each took was measured
+        settle = run.audit["settle"]
+        assert settle["orders"] == settle["settled"] == 20 and settle["unsettled"] == 0
+        assert 0 < run.settle_p50_ms <= run.settle_p99_ms, settle
+        assert settle["pending"][-1][1] == 0 and max(n for _, n in settle["pending"]) > 0
     assert runs["unsafe"].oversold > 0, runs["unsafe"].audit
     assert runs["lock"].lock_wait_p99_ms is not None
     # and the report files exist and parse
     records = json.loads((tmp_path / "runs.json").read_text())["runs"]
     assert {record["strategy"] for record in records} == set(runs)
+    lua = next(record for record in records if record["strategy"] == "lua")
+    assert lua["settle_p99_ms"] == runs["lua"].settle_p99_ms
     with open(tmp_path / "runs.csv", newline="") as handle:
         assert len(list(csv.DictReader(handle))) == 6
     page = (tmp_path / "report.html").read_text()
-    assert page.count("<svg") == 5 and "Units sold over time" in page
+    assert page.count("<svg") == 6 and "Units sold over time" in page
+    assert "Orders pending, from the opening" in page and "settle p99 ms" in page
 
 
 def _locust(url: str, sku: str, *extra: str) -> subprocess.CompletedProcess:

@@ -14,7 +14,7 @@ from inventory.exceptions import InvalidRequest
 from inventory.strategies import oversells, strategy_names
 from loadtest import sandbox
 from loadtest.report import BASELINE, stranded, table
-from loadtest.runs import BATCH_ID, LoadRunSettings, run_batch
+from loadtest.runs import BATCH_ID, SETTLE_TIMEOUT, LoadRunSettings, run_batch
 
 
 class Command(BaseCommand):
@@ -80,9 +80,10 @@ class Command(BaseCommand):
         parser.add_argument(
             "--settle-timeout",
             type=float,
-            default=None,
+            default=SETTLE_TIMEOUT,
             help="seconds to wait, after each sale, for the worker to settle its orders before "
-            "the audit (default: no wait; the worker goes on with them during the next runs)",
+            f"the next (default {SETTLE_TIMEOUT:g}; 0: no wait, the worker goes on with them "
+            "during the next runs); the settle lag is measured then",
         )
         parser.add_argument(
             "--unsafe-delay-ms",
