@@ -49,6 +49,7 @@ _PUBLISH_ERRORS = (KombuError, OSError, redis.exceptions.RedisError)
 #: imports this module, so it is never imported back; tests check the names are registered).
 PROCESS_ORDER_TASK = "inventory.tasks.process_order_task"
 SETTLE_ORDERS_TASK = "inventory.tasks.settle_orders_task"
+GIVE_BACK_TASK = "inventory.tasks.give_back_task"
 
 
 def enqueue_order(order_pk: int) -> bool:
@@ -247,13 +248,12 @@ def settle_orders(order_pks: list[int]) -> Settled:
             )
             for order in declined:
                 stock.return_units(order)
-    # Redis gets the units back after the commit, as in `process_order`; a batch delivered again
-    # (this give-back failed, say) gives back what an earlier delivery declined: at most once
-    # per order all the same.
+    # Redis gets the units back after the commit, or later from the give-back queue. A batch
+    # delivered again (its worker died before this) gives back what an earlier delivery
+    # declined: at most once per order all the same.
     if result.skipped:
         declined += Order.objects.filter(pk__in=result.skipped, status=OrderStatus.FAILED)
-    for order in declined:
-        return_units_to_redis(order)
+    give_back_to_redis(declined)
     return result
 
 
@@ -280,6 +280,35 @@ def confirm_order(order_pk: int) -> bool:
     return changed == 1
 
 
+def give_back_to_redis(failed: list[Order]) -> list[int]:
+    """Give failed or expired orders' units back to Redis (at most once each); the keys of
+    those Redis could not take now, handed to a `give_back_task` on the give-back queue (or,
+    with the broker down too, left to the reconciler), so that a Redis outage holds up no
+    payment."""
+    later = []
+    for order in failed:
+        try:
+            return_units_to_redis(order)
+        except REDIS_DOWN_ERRORS as exc:
+            logger.warning("order %s: Redis give-back deferred (%s)", order.pk, exc)
+            later.append(order.pk)
+    if later:
+        _publish(GIVE_BACK_TASK, later, what=f"the give-back of {len(later)} orders")
+    return later
+
+
+def give_back(order_pks: list[int]) -> int:
+    """What the give-back task does: Redis gets back the units of those orders that failed or
+    expired, at most once each. Raises Redis connection errors (the task retries). Returns
+    how many orders it gave back for."""
+    returned = Order.objects.filter(pk__in=order_pks, status__in=RETURNED_STATUSES)
+    count = 0
+    for order in returned:
+        return_units_to_redis(order)
+        count += 1
+    return count
+
+
 def return_units_to_redis(order: Order) -> None:
     """Give a failed or expired order's units back to Redis, at most once per order.
 
@@ -300,7 +329,7 @@ def process_order(*, order_pk: int) -> str | None:
     if status == OrderStatus.PAID and confirm_order(order_pk):
         status = OrderStatus.CONFIRMED
     if status in RETURNED_STATUSES:
-        return_units_to_redis(Order.objects.get(pk=order_pk))
+        give_back_to_redis([Order.objects.get(pk=order_pk)])
     return status
 
 
@@ -317,12 +346,7 @@ def expire_order(order_pk: int) -> bool:
         order.status = OrderStatus.EXPIRED
         order.save(update_fields=["status", "updated_at"])
         stock.return_units(order)
-    try:
-        return_units_to_redis(order)
-    except REDIS_DOWN_ERRORS as exc:
-        logger.warning(
-            "order %s expired; Redis give-back left to the reconciler (%s)", order.pk, exc
-        )
+    give_back_to_redis([order])
     return True
 
 

@@ -59,6 +59,22 @@ def dispatch_orders_task(order_pks: list[int]) -> dict[str, int]:
     return settle_orders_task(order_pks)
 
 
+@shared_task(
+    acks_late=True,
+    reject_on_worker_lost=True,
+    autoretry_for=TRANSIENT_ERRORS,
+    retry_backoff=1,
+    retry_backoff_max=30,
+    retry_jitter=True,
+    max_retries=120,
+)
+def give_back_task(order_pks: list[int]) -> int:
+    """Give failed or expired orders' units back to Redis, once Redis takes them (at most once
+    per order): retried, on a queue of its own, for about an hour; the reconciler repairs what
+    is left after that."""
+    return orders.give_back(order_pks)
+
+
 @shared_task
 def sweep_orders_task() -> dict[str, int]:
     report = orders.sweep_orders()

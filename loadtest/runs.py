@@ -53,6 +53,7 @@ from inventory.orders import OPEN_STATUSES
 from inventory.selectors import audit_sale
 from inventory.services import start_sale
 from inventory.strategies import oversells, strategy_names
+from shop import queues
 from shop.processes.servers import PROJECT_DIR, CeleryWorker, ShopServer
 
 from .models import SaleRun
@@ -293,7 +294,7 @@ def _target(config: LoadRunSettings, batch: str, out: Path, progress: Progress) 
 
 
 def _delete_queue(queue: str, strategies: list[str], since: datetime, progress: Progress) -> None:
-    from kombu import Connection, Exchange, Queue
+    from kombu import Connection
 
     skus = [sale_sku(strategy) for strategy in strategies]
     pending = Order.objects.filter(
@@ -301,13 +302,13 @@ def _delete_queue(queue: str, strategies: list[str], since: datetime, progress: 
     ).count()
     if pending:
         progress(f"{pending} orders of this batch left pending, for a sweeper to publish again")
-    # Bound as Celery binds a default queue (to a direct exchange of its name), so that
-    # deleting it removes its binding as well as its messages.
-    task_queue = Queue(queue, Exchange(queue, type="direct"), routing_key=queue)
+    # Bound as Celery binds them (each to a direct exchange of its name), so that deleting
+    # one removes its binding as well as its messages.
     with Connection(settings.CELERY_BROKER_URL) as connection:
-        bound = task_queue(connection.default_channel)
-        bound.declare()
-        bound.delete()
+        for declaration in queues.declarations(queue):
+            bound = declaration(connection.default_channel)
+            bound.declare()
+            bound.delete()
 
 
 def _run_one(

@@ -12,6 +12,8 @@ from pathlib import Path
 import environ
 from django.core.exceptions import ImproperlyConfigured
 
+from shop import queues
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 env = environ.Env()
@@ -149,6 +151,9 @@ CELERY_WORKER_POOL = env.str("FLASHSALE_WORKER_POOL", default="threads")
 CELERY_WORKER_CONCURRENCY = env.int("FLASHSALE_WORKER_CONCURRENCY", default=4)
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_DEFAULT_QUEUE = env.str("FLASHSALE_TASK_QUEUE", default="flashsale")
+# Orders, give-back and maintenance tasks each on a queue of their own (shop.queues).
+CELERY_TASK_QUEUES = queues.declarations(CELERY_TASK_DEFAULT_QUEUE)
+CELERY_TASK_ROUTES = queues.routes(CELERY_TASK_DEFAULT_QUEUE)
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # Celery's Django fixup closes the database connection around every task unless this is set;
 # `shop.celery` instead closes it the way Django does after a request (CONN_MAX_AGE, errors),

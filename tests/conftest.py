@@ -13,6 +13,7 @@ import redis
 from django.conf import settings
 from django.db import connection
 
+from shop import queues
 from shop.processes.servers import CeleryWorker, ShopServer
 from tests.support import delete_prefix, redis_url, unique_prefix
 
@@ -33,13 +34,13 @@ def _isolated_redis_and_queue() -> Iterator[None]:
     settings.FLASHSALE_REDIS_PREFIX = REDIS_PREFIX
     # Sessions made here (a force_login) must be the servers' sessions too.
     settings.SECRET_KEY = TEST_SECRET_KEY
-    app.conf.task_default_queue = TASK_QUEUE
+    queues.use(app, TASK_QUEUE)
     yield
     from inventory.redis_client import get_redis_client
 
     client = get_redis_client()
     keys = list(client.scan_iter(match=f"{REDIS_PREFIX}*", count=1000))
-    keys += list(client.scan_iter(match=f"_kombu.binding*.{TASK_QUEUE}", count=1000))
+    keys += list(client.scan_iter(match=f"_kombu.binding*.{TASK_QUEUE}*", count=1000))
     if keys:
         client.delete(*keys)
 

@@ -179,4 +179,5 @@ def test_the_tasks_published_by_name_are_registered():
     from shop.celery import app
 
     registered = set(app.tasks)
-    assert {orders.PROCESS_ORDER_TASK, orders.SETTLE_ORDERS_TASK} <= registered
+    published = {orders.PROCESS_ORDER_TASK, orders.SETTLE_ORDERS_TASK, orders.GIVE_BACK_TASK}
+    assert published <= registered

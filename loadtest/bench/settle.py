@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import inventory.services  # noqa: F401  (warm before the buyers fork)
     from inventory.keys import key as redis_key
+    from shop import queues
     from shop.celery import app
 
     pool = f"{settings.CELERY_WORKER_POOL} x{settings.CELERY_WORKER_CONCURRENCY}"
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     # goes to another, which the workers read.
     flood_queue = redis_key("bench", os.getpid(), "flood")
     settle_queue = redis_key("bench", os.getpid(), "settle")
-    app.conf.task_default_queue = flood_queue
+    queues.use(app, flood_queue)
     try:
         accepted, sale_id = _flood(args)
     finally:
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     # What one web process's publisher gathers in an interval at the flood's pace.
     chunk = max(1, min(settings.FLASHSALE_PUBLISH_BATCH, round(accepted * interval / args.buyers)))
     print(f"  flood: {accepted:.0f} orders accepted/s; backlog sent in messages of {chunk}")
-    app.conf.task_default_queue = settle_queue
+    queues.use(app, settle_queue)
     logs = Path(tempfile.gettempdir()) / f"bench-settle-{os.getpid()}.log"
     results: list[SettleResult] = []
     try:

@@ -174,15 +174,17 @@ def check_database() -> str | None:
 
 
 def delete_task_queue(queue: str) -> None:
-    """Drop the private queue the checkouts published their order tasks to."""
+    """Drop the private queues (shop.queues) the checkouts published their order tasks to."""
+    from shop import queues
     from shop.celery import app
 
     try:
         with app.connection_for_write() as connection:
-            # Declared first: a channel deletes only the bindings it knows of.
-            bound = app.amqp.queues[queue](connection.default_channel)
-            bound.declare()
-            bound.delete()
+            for declaration in queues.declarations(queue):
+                # Declared first: a channel deletes only the bindings it knows of.
+                bound = declaration(connection.default_channel)
+                bound.declare()
+                bound.delete()
     except Exception as exc:  # the broker may be down; the checkouts then published nothing
         print(f"note: could not delete the task queue {queue} ({exc})", file=sys.stderr)
 
@@ -229,13 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     import inventory.services  # noqa: F401
     import inventory.strategies.lock  # noqa: F401
     from inventory.keys import key as redis_key
+    from shop import queues
     from shop.celery import app
 
     settings.FLASHSALE_HOLD_DELAY_MS = args.hold_ms
     # Order tasks go to a queue of this run's own, dropped at the end: no worker of the shop
     # picks up orders of a benchmark, and nothing piles up in the shop's queue.
     queue = redis_key("bench", os.getpid(), "orders")
-    app.conf.task_default_queue = queue
+    queues.use(app, queue)
 
     contenders = contenders_for(args)
     for contender in contenders:

@@ -3,11 +3,14 @@ back exactly once, the sweeper expires what waited too long, the reconciler repa
 
 from __future__ import annotations
 
+import base64
+import json
 import threading
 from datetime import timedelta
 from io import StringIO
 
 import pytest
+import redis
 from django.core.management import call_command
 from django.utils import timezone
 
@@ -18,6 +21,9 @@ from inventory.redis_client import get_redis_client
 from inventory.selectors import audit_sale
 from inventory.services import place_order, start_sale
 from inventory.strategies import get_strategy
+from inventory.tasks import give_back_task
+from shop import queues
+from tests.conftest import TASK_QUEUE
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.embedded_smoke]
 
@@ -110,6 +116,46 @@ def test_a_batch_pays_each_order_once_and_gives_declined_units_back_once(
         assert audit["redis_stock"] == 10, audit
     declined_buyer = Order.objects.get(pk=first.failed[0]).buyer
     assert BuyerAllowance.objects.get(buyer=declined_buyer).units == 0
+
+
+@pytest.mark.parametrize("strategy", ["segmented", "lua"])
+def test_a_give_back_redis_refuses_waits_on_its_own_queue_and_happens_once(
+    settings, monkeypatch, strategy
+):
+    # Given three declined orders whose give-back Redis refuses (down for the moment)
+    settings.FLASHSALE_PAYMENT_FAILURE_RATE = 1.0
+    start_sale(sku="widget", stock=10, strategy=strategy)
+    pks = [order.pk for order in _sell("widget", 3)]
+    client = get_redis_client()
+    queue = queues.give_back(TASK_QUEUE)
+    queued = client.llen(queue)
+    give_back_now = orders.return_units_to_redis
+
+    def redis_down(order):
+        raise redis.ConnectionError("Redis is down")
+
+    monkeypatch.setattr(orders, "return_units_to_redis", redis_down)
+
+    # When a worker settles them
+    settled = orders.settle_orders(pks)
+
+    # Then the payments are done with (nothing held up), the database has the units back,
+    # and the give-back waits in the give-back queue, not in the orders' queue
+    assert sorted(settled.failed) == sorted(pks)
+    assert audit_sale("widget")["db_stock"] == 10
+    assert audit_sale("widget")["redis_stock"] == 7
+    assert client.llen(queue) == queued + 1
+    envelope = json.loads(client.lindex(queue, 0))
+    assert envelope["headers"]["task"] == "inventory.tasks.give_back_task"
+    (args,) = json.loads(base64.b64decode(envelope["body"]))[0]
+    assert sorted(args) == sorted(pks)
+
+    # and once Redis is back, the task gives the units back, once however often it runs
+    monkeypatch.setattr(orders, "return_units_to_redis", give_back_now)
+    assert give_back_task.apply(args=(args,)).get() == 3
+    assert give_back_task.apply(args=(args,)).get() == 3
+    audit = audit_sale("widget")
+    assert audit["redis_stock"] == 10 and audit["consistent"], audit
 
 
 @pytest.mark.parametrize("strategy", ["segmented", "lua"])

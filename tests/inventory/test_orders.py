@@ -10,18 +10,22 @@ import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from http.client import HTTPConnection
 
 import pytest
 from django.db import connection
 from django.db.models import Count
+from django.utils import timezone
 
 from inventory import orders, services
 from inventory.models import LIVE_STATUSES, Item, Order, OrderStatus, PaymentAttempt
 from inventory.orders import sweep_orders
 from inventory.selectors import audit_sale
 from inventory.services import place_order, start_sale
+from inventory.tasks import sweep_orders_task
 from loadtest.flood import flood
+from shop import queues
 from shop.processes.redis_server import RedisServer
 from shop.processes.servers import PROJECT_DIR as ROOT
 from tests.conftest import server_env, start_shop, start_worker, wait_until
@@ -96,6 +100,34 @@ def test_a_worker_keeps_its_database_connection_from_task_to_task(monkeypatch):
     # Then it did so without opening a connection per task (Celery's default, unless told)
     assert _statuses(sku) == {OrderStatus.CONFIRMED: 21}
     assert _sessions_opened() - before <= 2
+
+
+def test_the_sweeper_is_not_stuck_behind_a_backlog_of_payments(monkeypatch):
+    # Given forty orders queued one message each for a worker that pays slowly, and an order
+    # overdue for the sweeper
+    monkeypatch.setattr(services, "order_placed", lambda pk: None)
+    sku = f"backlog-{uuid.uuid4().hex[:6]}"
+    start_sale(sku=sku, stock=50, strategy="lua")
+    placed = [place_order(sku=sku, qty=1, buyer=f"b{n}").order.pk for n in range(41)]
+    overdue, backlog = placed[0], placed[1:]
+    Order.objects.filter(pk=overdue).update(created_at=timezone.now() - timedelta(hours=1))
+    for pk in backlog:
+        assert orders.publish_orders([pk])
+    sweep_orders_task.apply_async()
+
+    # When one worker, as started by default, reads its queues
+    worker = start_worker(concurrency=2, FLASHSALE_PAYMENT_LATENCY_MS=400)
+    try:
+        # Then the sweep, on the maintenance queue, runs long before the payments are through
+        assert wait_until(
+            lambda: Order.objects.get(pk=overdue).status == OrderStatus.EXPIRED, timeout=30
+        )
+        still_open = Order.objects.filter(pk__in=backlog, status=OrderStatus.PENDING).count()
+        assert still_open >= 20, still_open
+        assert wait_until(lambda: _all_settled(sku), timeout=60), _statuses(sku)
+    finally:
+        worker.stop()
+    assert _statuses(sku) == {OrderStatus.CONFIRMED: 40, OrderStatus.EXPIRED: 1}
 
 
 def test_a_killed_worker_loses_nothing_and_pays_nothing_twice(shop_server, settings):
@@ -191,7 +223,8 @@ def test_on_rabbitmq_a_killed_workers_orders_come_back_without_the_sweeper():
         from kombu import Connection
 
         with Connection(RABBITMQ_URL, connect_timeout=5) as connection:
-            connection.default_channel.queue_delete(server_env()["FLASHSALE_TASK_QUEUE"])
+            for name in queues.names(server_env()["FLASHSALE_TASK_QUEUE"]):
+                connection.default_channel.queue_delete(name)
 
     assert _statuses(sku) == {OrderStatus.CONFIRMED: 120}
     assert _payments_per_order(sku) == {1}
