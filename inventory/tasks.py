@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from celery import shared_task
 from django.db import InterfaceError, OperationalError
 
@@ -11,31 +13,26 @@ from .redis_client import REDIS_DOWN_ERRORS
 
 #: Errors worth retrying: the database or Redis was briefly unreachable.
 TRANSIENT_ERRORS = (OperationalError, InterfaceError, *REDIS_DOWN_ERRORS)
+#: How an order task runs: acknowledged once done, delivered again if its worker died, retried
+#: with growing, jittered waits (at most 30 s apart) while the database or Redis is away.
+ORDER_TASK: dict[str, Any] = {
+    "acks_late": True,
+    "reject_on_worker_lost": True,
+    "autoretry_for": TRANSIENT_ERRORS,
+    "retry_backoff": 1,
+    "retry_backoff_max": 30,
+    "retry_jitter": True,
+    "max_retries": 20,
+}
 
 
-@shared_task(
-    acks_late=True,
-    reject_on_worker_lost=True,
-    autoretry_for=TRANSIENT_ERRORS,
-    retry_backoff=1,
-    retry_backoff_max=30,
-    retry_jitter=True,
-    max_retries=20,
-)
+@shared_task(**ORDER_TASK)
 def process_order_task(order_pk: int) -> str | None:
     """Pay and confirm an order, or give a failed one's units back."""
     return orders.process_order(order_pk=order_pk)
 
 
-@shared_task(
-    acks_late=True,
-    reject_on_worker_lost=True,
-    autoretry_for=TRANSIENT_ERRORS,
-    retry_backoff=1,
-    retry_backoff_max=30,
-    retry_jitter=True,
-    max_retries=20,
-)
+@shared_task(**ORDER_TASK)
 def settle_orders_task(order_pks: list[int]) -> dict[str, int]:
     """Pay and confirm the orders one checkout message carries, as one batch."""
     settled = orders.settle_orders(order_pks)
@@ -46,28 +43,14 @@ def settle_orders_task(order_pks: list[int]) -> dict[str, int]:
     }
 
 
-@shared_task(
-    acks_late=True,
-    reject_on_worker_lost=True,
-    autoretry_for=TRANSIENT_ERRORS,
-    retry_backoff=1,
-    max_retries=20,
-)
+@shared_task(**ORDER_TASK)
 def dispatch_orders_task(order_pks: list[int]) -> dict[str, int]:
     """The name checkout's batches had before they were settled as one: a message published
     under it (a deployment's older web process) is settled the same way."""
     return settle_orders_task(order_pks)
 
 
-@shared_task(
-    acks_late=True,
-    reject_on_worker_lost=True,
-    autoretry_for=TRANSIENT_ERRORS,
-    retry_backoff=1,
-    retry_backoff_max=30,
-    retry_jitter=True,
-    max_retries=120,
-)
+@shared_task(**{**ORDER_TASK, "max_retries": 120})
 def give_back_task(order_pks: list[int]) -> int:
     """Give failed or expired orders' units back to Redis, once Redis takes them (at most once
     per order): retried, on a queue of its own, for about an hour; the reconciler repairs what

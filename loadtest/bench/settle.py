@@ -40,7 +40,7 @@ import django
 from .contenders import Contender
 from .measure import process_cpu_seconds
 from .rounds import run_contender
-from .strategies import check_database, delete_task_queue
+from .strategies import delete_task_queue, sandboxed
 
 SKU = "bench-settle"
 #: What one worker must settle, per order the flood accepted in the same time.
@@ -202,17 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImproperlyConfigured as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from loadtest import sandbox
-
-    if not sandbox.active():
-        try:
-            sandbox.enter(
-                ["-m", "loadtest.bench.settle", *(sys.argv[1:] if argv is None else argv)]
-            )
-        except sandbox.SandboxError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-    problem = check_database()
+    problem = sandboxed("loadtest.bench.settle", argv)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

@@ -173,6 +173,20 @@ def check_database() -> str | None:
     return None
 
 
+def sandboxed(module: str, argv: list[str] | None) -> str | None:
+    """Run on in the load-run sandbox, migrated: re-exec `python -m module argv` there unless
+    this process is in it already (its items and orders stay out of the shop's database).
+    Returns a message when that cannot be done."""
+    from loadtest import sandbox
+
+    if not sandbox.active():
+        try:
+            sandbox.enter(["-m", module, *(sys.argv[1:] if argv is None else argv)])
+        except sandbox.SandboxError as exc:
+            return str(exc)
+    return check_database()
+
+
 def delete_task_queue(queue: str) -> None:
     """Drop the private queues (shop.queues) the checkouts published their order tasks to."""
     from shop import queues
@@ -208,18 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: unknown strategies: {', '.join(unknown)}", file=sys.stderr)
         return 2
-    from loadtest import sandbox
-
-    if not sandbox.active():
-        # Its items and orders stay out of the shop's database: start again in the sandbox.
-        try:
-            sandbox.enter(
-                ["-m", "loadtest.bench.strategies", *(sys.argv[1:] if argv is None else argv)]
-            )
-        except sandbox.SandboxError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-    problem = check_database()
+    problem = sandboxed("loadtest.bench.strategies", argv)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

@@ -484,8 +484,9 @@ def test_staff_compare_two_recorded_runs_side_by_side(shop_server, page):
     rows = page.locator("#runs tbody tr")
     expect(rows).to_have_count(3)
     expect(rows.nth(1)).to_contain_text("0.33")
-    expect(page.locator("svg[role=img]")).to_have_count(5)
+    expect(page.locator("svg[role=img]")).to_have_count(6)
     expect(page.get_by_role("img", name="Units sold over time (s)")).to_be_visible()
+    expect(page.get_by_role("img", name="Orders pending, from the opening (s)")).to_be_visible()
     screenshot(page, "17-admin-compare")
 
     # and on a narrower screen the table scrolls inside the page; the page itself does not
