@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import uuid
+from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
@@ -20,7 +21,7 @@ from loadtest.models import SaleRun
 from loadtest.runs import LOCUSTFILE
 from loadtest.sandbox import database_name
 from shop.processes.servers import PROJECT_DIR as ROOT
-from tests.conftest import TEST_API_TOKEN, server_env
+from tests.conftest import TEST_API_TOKEN, server_env, test_database_url
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -146,3 +147,31 @@ def test_a_distributed_load_run_uses_several_locust_processes(tmp_path):
             [lua.sku],
         ).fetchone()
     assert sold == (20, 20)
+
+
+def test_a_database_not_migrated_is_a_clear_error_and_nothing_runs():
+    # Given a database with no tables at all
+    name = f"{connection.settings_dict['NAME']}_unmigrated"
+    with connection.cursor() as cursor:
+        cursor.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        cursor.execute(f'CREATE DATABASE "{name}"')
+    url = urlunsplit(urlsplit(test_database_url())._replace(path=f"/{name}"))
+    try:
+        # When a load run is asked of it
+        result = subprocess.run(
+            [sys.executable, "manage.py", "loadtest", "--strategies", "lua"],
+            cwd=ROOT,
+            env=server_env(DATABASE_URL=url),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        # Then it says what to do, and started nothing: no sandbox database beside it
+        assert result.returncode == 1, result.stderr[-2000:]
+        assert "run `python manage.py migrate` first" in result.stderr
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1 FROM pg_database WHERE datname = %s", [database_name(name)])
+            assert cursor.fetchone() is None
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -9,6 +9,8 @@ from typing import Any
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.db.migrations.executor import MigrationExecutor
 
 from inventory.exceptions import InvalidRequest
 from inventory.strategies import oversells, strategy_names
@@ -133,6 +135,14 @@ class Command(BaseCommand):
         batch_id = options["batch"]
         if batch_id is not None and not BATCH_ID.fullmatch(batch_id):
             raise CommandError(f"--batch: not a batch id: {batch_id[:40]!r}")
+        if not sandbox.active():
+            # The runs are recorded in this database: it must have every table they need.
+            executor = MigrationExecutor(connections[DEFAULT_DB_ALIAS])
+            if executor.migration_plan(executor.loader.graph.leaf_nodes()):
+                raise CommandError(
+                    "the database has migrations not applied yet: run `python manage.py "
+                    "migrate` first (make demo does)"
+                )
         if not (config.host or options["no_sandbox"] or sandbox.active()):
             # A server started here sells in the sandbox: start again there.
             if sys.argv[1:2] != ["loadtest"]:
