@@ -239,12 +239,13 @@ def settle_orders(order_pks: list[int]) -> Settled:
         declined = [order for order, ok in zip(to_pay, approvals, strict=True) if not ok]
         result.failed = [order.pk for order in declined]
         result.confirmed = sorted(open_pks - set(result.failed))
+        now = timezone.now()
         Order.objects.filter(pk__in=result.confirmed).update(
-            status=OrderStatus.CONFIRMED, updated_at=timezone.now()
+            status=OrderStatus.CONFIRMED, updated_at=now
         )
         if declined:
             Order.objects.filter(pk__in=result.failed).update(
-                status=OrderStatus.FAILED, updated_at=timezone.now()
+                status=OrderStatus.FAILED, updated_at=now
             )
             for order in declined:
                 stock.return_units(order)
@@ -301,12 +302,10 @@ def give_back(order_pks: list[int]) -> int:
     """What the give-back task does: Redis gets back the units of those orders that failed or
     expired, at most once each. Raises Redis connection errors (the task retries). Returns
     how many orders it gave back for."""
-    returned = Order.objects.filter(pk__in=order_pks, status__in=RETURNED_STATUSES)
-    count = 0
+    returned = list(Order.objects.filter(pk__in=order_pks, status__in=RETURNED_STATUSES))
     for order in returned:
         return_units_to_redis(order)
-        count += 1
-    return count
+    return len(returned)
 
 
 def return_units_to_redis(order: Order) -> None:

@@ -48,7 +48,7 @@ from django.db.models import Sum
 from django.utils import timezone
 
 from inventory.exceptions import InvalidRequest
-from inventory.models import LIVE_STATUSES, Item, Order, OrderStatus
+from inventory.models import LIVE_STATUSES, Item, Order
 from inventory.orders import OPEN_STATUSES
 from inventory.selectors import audit_sale
 from inventory.services import start_sale
@@ -56,13 +56,12 @@ from inventory.strategies import oversells, strategy_names
 from shop import queues
 from shop.processes.servers import PROJECT_DIR, CeleryWorker, ShopServer
 
+from .bench.measure import percentile_ms
 from .models import SaleRun
 from .report import BASELINE, summary_line, write_report
 
 #: Seconds a sale's orders may take to settle after it sold out before the batch goes on.
 SETTLE_TIMEOUT = 30.0
-#: Order statuses that end the lifecycle: the settle lag runs from the 201 to one of them.
-FINAL_STATUSES = (OrderStatus.CONFIRMED, OrderStatus.FAILED, OrderStatus.EXPIRED)
 
 LOCUSTFILE = PROJECT_DIR / "loadtest" / "locustfile.py"
 #: Locust exit code for a run whose audit found oversell (see the locustfile).
@@ -635,23 +634,21 @@ def settle_figures(
     ones (an order's updated_at is the time of its last change, the one that made it final),
     how many are still open, and the most orders pending in each second from the opening."""
     lags = sorted(
-        (updated - created).total_seconds() * 1000
+        (updated - created).total_seconds()
         for created, updated, status in orders
-        if status in FINAL_STATUSES
+        if status not in OPEN_STATUSES
     )
-    unsettled = sum(1 for *_, status in orders if status not in FINAL_STATUSES)
 
     def percentile(share: float) -> float | None:
-        if not lags:
-            return None
-        return round(lags[min(len(lags) - 1, math.ceil(share * len(lags)) - 1)], 1)
+        value = percentile_ms(lags, share)
+        return None if value is None else round(value, 1)
 
     # +1 at each order's creation, -1 when it became final; the most pending in each second.
     changes = [((created - opened_at).total_seconds(), 1) for created, _, _ in orders]
     changes += [
         ((updated - opened_at).total_seconds(), -1)
         for _, updated, status in orders
-        if status in FINAL_STATUSES
+        if status not in OPEN_STATUSES
     ]
     changes.sort()
     pending: list[list[float]] = []
@@ -670,7 +667,7 @@ def settle_figures(
     return {
         "orders": len(orders),
         "settled": len(lags),
-        "unsettled": unsettled,
+        "unsettled": len(orders) - len(lags),
         "p50_ms": percentile(0.5),
         "p99_ms": percentile(0.99),
         "pending": pending,
