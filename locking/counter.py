@@ -47,6 +47,23 @@ class Claim:
         return [self.key], [self.ttl_ms, self.token]
 
 
+@dataclass(frozen=True)
+class Take:
+    """One take of :meth:`StockCounter.take_spread_many`: its arguments to ``take_spread``."""
+
+    cursor: str
+    counters: Sequence[str]
+    qty: int
+    claim: Claim | None = None
+
+    def __post_init__(self) -> None:
+        _positive_qty(self.qty)
+        if not isinstance(self.cursor, str) or not isinstance(self.counters, (list, tuple)):
+            raise ValueError("a take needs a cursor key and a list of counter keys")
+        if not self.counters or not all(isinstance(key, str) for key in self.counters):
+            raise ValueError("a take needs at least one counter, each a key")
+
+
 def claim_args(claim: Claim | None) -> tuple[list[str], list[int | str]]:
     return ([], []) if claim is None else claim.script_args()
 
@@ -70,6 +87,7 @@ class StockCounter:
         self.redis = redis
         self._take = scripts.script_for(redis, scripts.STOCK_TAKE)
         self._take_spread = scripts.script_for(redis, scripts.STOCK_TAKE_SPREAD)
+        self._take_spread_many = scripts.script_for(redis, scripts.STOCK_TAKE_SPREAD_MANY)
         self._lock_first = scripts.script_for(redis, scripts.LOCK_FIRST_HOLDING)
         self._give_back = scripts.script_for(redis, scripts.STOCK_GIVE_BACK)
         self._give_back_once = scripts.script_for(redis, scripts.STOCK_GIVE_BACK_ONCE)
@@ -121,6 +139,39 @@ class StockCounter:
         if claim is not None:
             claim.held = True
         return {int(reply[i]): int(reply[i + 1]) for i in range(0, len(reply), 2)}
+
+    def take_spread_many(self, takes: Sequence[Take]) -> list[dict[int, int] | None | Claim]:
+        """Many :meth:`take_spread` calls in one script, in order, each as if run alone.
+
+        Returns one result per take: what ``take_spread`` returns, or the take's claim where
+        ``take_spread`` would raise :class:`KeyClaimed` (nothing taken).
+        """
+        keys: list[str] = []
+        args: list[int | str] = []
+        for take in takes:
+            claim_keys, claim_argv = claim_args(take.claim)
+            keys += [take.cursor, *take.counters, *claim_keys]
+            args += [len(take.counters), _positive_qty(take.qty), *(claim_argv or ["", ""])]
+        if not takes:
+            return []
+        reply = self._take_spread_many(keys=keys, args=args, client=self.redis)
+        results: list[dict[int, int] | None | Claim] = []
+        position = 0
+        for take in takes:
+            size = int(reply[position])
+            one = reply[position + 1 : position + 1 + size]
+            position += 1 + size
+            if one[0] == self.CLAIMED and take.claim is not None:
+                results.append(take.claim)
+            elif one[0] == self.MISSING:
+                results.append(None)
+            elif one[0] == self.INSUFFICIENT:
+                results.append({})
+            else:
+                if take.claim is not None:
+                    take.claim.held = True
+                results.append({int(one[i]): int(one[i + 1]) for i in range(0, size, 2)})
+        return results
 
     def lock_first_holding(
         self,

@@ -263,6 +263,45 @@ return claim(KEYS[#KEYS], ttl, ARGV[3], take_spread(KEYS[1], 2, last, tonumber(A
 """
 )
 
+# Many takes of STOCK_TAKE_SPREAD in one script, in order, each as if run alone.
+# KEYS, per take: its cursor, its n stock counters, and (with a claim) its idempotency claim.
+# ARGV, four per take: n, the quantity, and the claim's TTL in ms and the taker's token (both ""
+# without a claim).
+# Returns, per take, the length of its reply and then the reply STOCK_TAKE_SPREAD gives.
+STOCK_TAKE_SPREAD_MANY = (
+    _TAKE_SPREAD_FUNCTION
+    + """
+local out = {}
+local k = 1
+for r = 0, #ARGV / 4 - 1 do
+    local n = tonumber(ARGV[4 * r + 1])
+    local qty = tonumber(ARGV[4 * r + 2])
+    local ttl = ARGV[4 * r + 3]
+    if ttl == '' then
+        ttl = nil
+    end
+    local last = k + n
+    local claim_key = ttl and KEYS[last + 1]
+    local reply
+    if claimed(claim_key, ttl) then
+        reply = {-3}
+    else
+        reply = take_spread(KEYS[k], k + 1, last, qty)
+        if reply.err then
+            return reply
+        end
+        reply = claim(claim_key, ttl, ARGV[4 * r + 4], reply)
+    end
+    out[#out + 1] = #reply
+    for i = 1, #reply do
+        out[#out + 1] = reply[i]
+    end
+    k = last + 1 + (ttl and 1 or 0)
+end
+return out
+"""
+)
+
 # Group commit: takers queue their sale in the same script that takes its units; whoever finds
 # the combiner lock free takes it and writes the queued sales in batches, answering each taker
 # on its reply key. Helper keys, all passed or derived from ARGV:

@@ -229,3 +229,51 @@ def test_a_claimed_take_keeps_twins_out_until_its_taker_gives_it_up(
     assert counter.take_spread(cursor, keys, 1) == {0: 1}
     with pytest.raises(ValueError):
         Claim(prefix + "claim", ttl_ms=0)
+
+
+def test_many_takes_in_one_script_answer_each_as_if_run_alone(r: redis.Redis, prefix: str) -> None:
+    from locking.counter import Take
+
+    counter = StockCounter(r)
+    item_a = [f"{prefix}a:{index}" for index in range(3)]
+    item_b = [f"{prefix}b:{index}" for index in range(2)]
+    missing = [f"{prefix}gone:{index}" for index in range(2)]
+    counter.set_many(dict(zip(item_a, [2, 2, 1], strict=True)))
+    counter.set_many(dict.fromkeys(item_b, 1))
+    held = Claim(prefix + "claim", ttl_ms=5000)
+    twin = Claim(prefix + "claim", ttl_ms=5000)
+    turn_a, turn_b = prefix + "turn:a", prefix + "turn:b"
+
+    results = counter.take_spread_many(
+        [
+            Take(turn_a, item_a, 1),
+            Take(turn_a, item_a, 1, claim=held),
+            Take(turn_a, item_a, 1, claim=twin),  # the claim above now stands
+            Take(prefix + "turn:gone", missing, 1),
+            Take(turn_b, item_b, 3),  # more than there is: nothing taken
+            Take(turn_b, item_b, 2),  # from both rows, lowest first
+            Take(turn_b, item_b, 1),  # sold out
+            Take(turn_a, item_a, 1),
+        ]
+    )
+
+    in_turn = [results[0], results[1], results[7]]
+    assert sorted(next(iter(plan)) for plan in in_turn) == [0, 1, 2]  # the rows in turn
+    assert all(plan == {next(iter(plan)): 1} for plan in in_turn)
+    assert results[2] is twin and not twin.held  # the twin waits, nothing taken
+    assert held.held and r.get(held.key) == held.token.encode()
+    assert results[3] is None and r.exists(*missing) == 0
+    assert results[4] == {} and results[5] == {0: 1, 1: 1} and results[6] == {}
+    assert counter.get_many(item_a) == [1, 1, 0] and counter.get_many(item_b) == [0, 0]
+    assert counter.take_spread_many([]) == []
+
+
+@pytest.mark.parametrize(
+    ("cursor", "counters", "qty"),
+    [("t", [], 1), ("t", ["k"], 0), ("t", ["k"], True), ("t", "k", 1), (None, ["k"], 1)],
+)
+def test_a_take_with_bad_arguments_is_refused_before_redis(cursor, counters, qty) -> None:
+    from locking.counter import Take
+
+    with pytest.raises(ValueError):
+        Take(cursor, counters, qty)
