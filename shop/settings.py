@@ -203,6 +203,9 @@ for _rows in ("FLASHSALE_SHARDS", "FLASHSALE_STRIPES"):
 # one commit per sale, which is faster on 2 cores; see docs/design.md).
 FLASHSALE_GROUP_COMMIT = env.bool("FLASHSALE_GROUP_COMMIT", default=False)
 FLASHSALE_GROUP_COMMIT_BATCH = env.int("FLASHSALE_GROUP_COMMIT_BATCH", default=100)
+# `lua` through the sale writer (`manage.py salewriter`): the unix socket it listens on; empty:
+# every web process takes and writes its own sales.
+FLASHSALE_SALE_WRITER = env.str("FLASHSALE_SALE_WRITER", default="")
 # How long a checkout may use an item read by an earlier one (strategies that allow it).
 FLASHSALE_ITEM_MEMORY_MS = env.int("FLASHSALE_ITEM_MEMORY_MS", default=1000)
 # How long a buyer waits for its batch's answer before it is told `busy`.

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -128,3 +130,24 @@ def wait_until(condition, *, timeout: float, interval: float = 0.1) -> bool:
             return True
         time.sleep(interval)
     return condition()
+
+
+def _socket_path() -> str:
+    return os.path.join(tempfile.gettempdir(), f"flashsale-test-writer-{uuid.uuid4().hex}.sock")
+
+
+@pytest.fixture
+def writer_in_thread(settings):
+    """A sale writer in a thread of the test process; its checkouts send their sales there."""
+    from inventory.writer import SaleWriter
+
+    writer = SaleWriter(_socket_path())
+    ready = threading.Event()
+    thread = threading.Thread(target=writer.serve_forever, kwargs={"ready": ready.set})
+    thread.start()
+    assert ready.wait(10)
+    settings.FLASHSALE_SALE_WRITER = writer.path
+    yield writer
+    writer.stop()
+    thread.join(10)
+    assert not thread.is_alive()

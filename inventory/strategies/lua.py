@@ -31,11 +31,12 @@ from typing import Any, TypeVar
 
 from django.conf import settings
 from django.db import IntegrityError, connection
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from locking import Claim, KeyClaimed
 from locking.combining import GroupCommit, Queued
 
-from .. import keys, stock
+from .. import keys, stock, writer
 from ..breaker import breaker
 from ..exceptions import Busy, LimitReached, SoldOut
 from ..models import Item, Order
@@ -73,6 +74,17 @@ def _claim(item: Item, record: RecordOrder) -> Claim | None:
         key=keys.claim(item, record.idempotency_key),
         ttl_ms=settings.FLASHSALE_LOCK_TTL_MS,
     )
+
+
+_writer_warned: set[str] = set()
+
+
+def _writer_unavailable(exc: Exception) -> None:
+    """The configured sale writer cannot be reached: checkouts go the direct way meanwhile."""
+    message = str(exc)
+    if message not in _writer_warned:
+        _writer_warned.add(message)
+        logger.warning("%s; selling the direct way until it is back", message)
 
 
 def _release(claim: Claim) -> None:
@@ -127,8 +139,15 @@ class LuaStrategy(StockStrategy):
         claim = _claim(item, record)
         try:
             # Inside a caller's transaction a batch would not commit before the answer.
-            if settings.FLASHSALE_GROUP_COMMIT and not connection.in_atomic_block:
-                return self._take_grouped(item, qty, record, claim)
+            if not connection.in_atomic_block:
+                sale_writer = writer.client()
+                if sale_writer is not None:
+                    try:
+                        return self._take_written(item, qty, record, claim, sale_writer)
+                    except writer.WriterUnavailable as exc:
+                        _writer_unavailable(exc)
+                if settings.FLASHSALE_GROUP_COMMIT:
+                    return self._take_grouped(item, qty, record, claim)
             return self._take(item, qty, record, claim)
         finally:
             if claim is not None:
@@ -179,15 +198,85 @@ class LuaStrategy(StockStrategy):
             if outcome == "short":
                 self._resync(item)  # Redis granted units the database does not hold
                 continue
-            self._give_back(item, queued.taken)
-            if outcome == "duplicate":
-                raise IntegrityError("idempotency key already used")  # replayed by the caller
-            if outcome == "limit":
-                raise LimitReached(sku=item.sku, limit=item.per_buyer_limit or 0)
-            if outcome == "locked":
-                raise stock.RowLockTimeout(f"{item.sku}: a stock row stayed locked")
-            raise stock.SaleRestarted(f"{item.sku}: sale {item.current_sale_id} is over")
+            self._refuse(item, queued.taken, outcome)
         return self._refused(item, qty, record)
+
+    def _take_written(
+        self,
+        item: Item,
+        qty: int,
+        record: RecordOrder,
+        claim: Claim | None,
+        sale_writer: writer.WriterClient,
+    ) -> Order:
+        request = writer.sale_request(
+            cursor=keys.turn(item),
+            counters=keys.rows(item),
+            qty=qty,
+            claim=claim,
+            sale=record.request(served_by=self.name),
+        )
+
+        def ask() -> dict[str, Any] | None:
+            try:
+                answer = sale_writer.ask(request)
+            except writer.WriterLost as exc:
+                raise Busy(
+                    f"{item.sku}: the sale writer did not answer ({exc})",
+                    retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+                ) from None
+            outcome = answer["o"]
+            if outcome == "claimed" and claim is not None:
+                raise KeyClaimed(claim)
+            if outcome == "missing":
+                return None
+            if outcome == "redis_down":  # nothing written, nothing will be: fall back
+                raise RedisConnectionError(f"the sale writer's Redis: {answer.get('e')}")
+            if outcome == "sold_out":
+                return {}
+            if outcome in ("invalid", "error"):
+                raise RuntimeError(f"the sale writer refused the request: {answer.get('e')}")
+            if claim is not None:
+                claim.held = True  # the take set it
+            return answer
+
+        for _ in range(ATTEMPTS):
+            answer = _taken(item, ask)
+            if not answer:
+                raise SoldOut(sku=item.sku, requested=qty)
+            taken = {int(index): units for index, units in answer["rows"].items()}
+            outcome = answer["o"]
+            if outcome == "sold":
+                sold = record.sold(
+                    order_id=answer["id"],
+                    public_id=request["sale"]["public_id"],
+                    served_by=self.name,
+                    shard_units=taken,
+                    placed_at=datetime.fromisoformat(answer["at"]),
+                )
+                return sold.order
+            if outcome == "short":
+                self._resync(item)  # Redis granted units the database does not hold
+                continue
+            if outcome == "failed":  # may be committed: a retry with the key finds it
+                raise Busy(
+                    f"{item.sku}: the sale writer's batch failed",
+                    retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+                )
+            self._refuse(item, taken, outcome)
+        return self._refused(item, qty, record)
+
+    def _refuse(self, item: Item, taken: dict[int, int], outcome: str) -> None:
+        """A batch's refusal of a sale it wrote nothing for: the units go back, and the
+        refusal is raised as a direct checkout would raise it."""
+        self._give_back(item, taken)
+        if outcome == "duplicate":
+            raise IntegrityError("idempotency key already used")  # replayed by the caller
+        if outcome == "limit":
+            raise LimitReached(sku=item.sku, limit=item.per_buyer_limit or 0)
+        if outcome == "locked":
+            raise stock.RowLockTimeout(f"{item.sku}: a stock row stayed locked")
+        raise stock.SaleRestarted(f"{item.sku}: sale {item.current_sale_id} is over")
 
     def _settle(self, item: Item, group: GroupCommit, queued: Queued) -> dict[str, Any]:
         """The batch's answer to our queued sale; Busy when none can be had."""

@@ -1,13 +1,16 @@
-"""Start and stop a real gunicorn serving the shop, for floods, the demo and tests."""
+"""Start and stop a real gunicorn serving the shop, its Celery worker and its sale writer, for
+floods, the demo and tests."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -162,6 +165,71 @@ class CeleryWorker:
             self.process.wait()
 
     def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+class SaleWriter:
+    """A real `manage.py sale writer` process on a unix socket of its own, in its own process
+    group: give `env()` to the web processes that are to send it their `lua` sales."""
+
+    def __init__(self, env: dict[str, str], log_path: Path | None = None) -> None:
+        self.path = os.path.join(tempfile.gettempdir(), f"flashsale-writer-{uuid.uuid4().hex}.sock")
+        self.env_vars = {**os.environ, **env, "FLASHSALE_SALE_WRITER": self.path}
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def env(self) -> dict[str, str]:
+        """What the web processes need to send their sales here."""
+        return {"FLASHSALE_SALE_WRITER": self.path}
+
+    def start(self, timeout: float = 30.0) -> SaleWriter:
+        log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
+        self.process = subprocess.Popen(
+            [sys.executable, "manage.py", "sale", "writer", "--socket", self.path],
+            cwd=PROJECT_DIR,
+            env=self.env_vars,
+            start_new_session=True,
+            stdout=log,
+            stderr=subprocess.STDOUT if log else None,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the sale writer exited with {self.process.returncode}")
+            if self.answers():
+                return self
+            time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"the sale writer did not answer on {self.path} in time")
+
+    def answers(self) -> bool:
+        """Whether it answers on its socket (with its database connection open)."""
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.settimeout(2)
+                probe.connect(self.path)
+                probe.sendall(b'{"op":"stats"}\n')
+                reply = probe.makefile("rb").readline()
+        except OSError:
+            return False
+        return b'"backend_pid":null' not in reply and reply.endswith(b"\n")
+
+    def kill(self) -> None:
+        """SIGKILL it, as a crash would: what it took and had not written stays taken."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def stop(self) -> None:
+        """SIGTERM: it writes what it has taken, answers, and exits."""
         if self.process is None or self.process.poll() is not None:
             return
         os.killpg(self.process.pid, signal.SIGTERM)

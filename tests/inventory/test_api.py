@@ -171,21 +171,23 @@ TWINS = 50
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize(
-    ("strategy", "group_commit", "rounds"),
+    ("strategy", "mode", "rounds"),
     [
-        ("lua", False, 8),
-        ("lua", True, 4),
-        ("lock", False, 2),
-        ("segmented", False, 2),
-        ("optimistic", False, 2),
+        ("lua", "direct", 8),
+        ("lua", "group commit", 4),
+        ("lua", "sale writer", 4),
+        ("lock", "direct", 2),
+        ("segmented", "direct", 2),
+        ("optimistic", "direct", 2),
     ],
 )
 def test_concurrent_retries_of_one_key_on_the_last_unit_get_one_answer(
-    settings, strategy, group_commit, rounds
+    request, settings, strategy, mode, rounds
 ):
     # The last unit: a retry that finds the stock gone while its twin still writes the order
     # must wait for that order, not answer sold out.
-    settings.FLASHSALE_GROUP_COMMIT = group_commit
+    settings.FLASHSALE_GROUP_COMMIT = mode == "group commit"
+    writer = request.getfixturevalue("writer_in_thread") if mode == "sale writer" else None
 
     def attempt(sku: str, barrier: Barrier) -> tuple[int, bytes]:
         try:
@@ -205,6 +207,8 @@ def test_concurrent_retries_of_one_key_on_the_last_unit_get_one_answer(
         assert len({body for _, body in answers}) == 1
         assert Order.objects.filter(item__sku=sku).count() == 1
         assert Item.objects.get(sku=sku).units_left == 0
+    if writer is not None:
+        assert writer.sales == rounds  # each round's order, written by the writer
 
 
 @pytest.mark.django_db(transaction=True)

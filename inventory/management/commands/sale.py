@@ -1,4 +1,5 @@
-"""`manage.py sale start|restock|audit|reconcile`: run a sale and check its invariants."""
+"""`manage.py sale start|restock|audit|reconcile|writer`: run a sale, check its invariants, and
+serve `lua` checkouts' sales through the sale writer."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         actions = parser.add_subparsers(
-            dest="action", required=True, metavar="{start,restock,audit,reconcile}"
+            dest="action", required=True, metavar="{start,restock,audit,reconcile,writer}"
         )
         start = actions.add_parser(
             "start",
@@ -64,6 +65,17 @@ class Command(BaseCommand):
             help="Recompute SKU's stock from its orders; repair its item or stock rows, and Redis.",
         )
         reconcile.add_argument("sku")
+        writer = actions.add_parser(
+            "writer",
+            help="Take and write the sales of `lua` checkouts sent by every web process, in "
+            "batches, until stopped (SIGTERM or Ctrl-C: what it has taken it writes first).",
+        )
+        writer.add_argument(
+            "--socket",
+            default=None,
+            metavar="PATH",
+            help="unix socket to listen on (default: FLASHSALE_SALE_WRITER)",
+        )
 
     def handle(self, *args: object, **options: object) -> None:
         try:
@@ -73,6 +85,8 @@ class Command(BaseCommand):
                 self._restock(options)
             elif options["action"] == "audit":
                 self._audit(options)
+            elif options["action"] == "writer":
+                self._writer(options)
             else:
                 self._reconcile(options)
         except CheckoutError as error:
@@ -108,6 +122,33 @@ class Command(BaseCommand):
             self.stdout.write(change)
         if not changes:
             self.stdout.write(f"{options['sku']}: database, stock rows and Redis already agree")
+
+    def _writer(self, options: dict) -> None:
+        import signal
+
+        from django.conf import settings
+
+        from inventory.writer import SaleWriter
+
+        path = options["socket"] or settings.FLASHSALE_SALE_WRITER
+        if not path:
+            raise CommandError("name the socket: --socket PATH, or set FLASHSALE_SALE_WRITER")
+        try:
+            writer = SaleWriter(path)
+        except ValueError as error:
+            raise CommandError(str(error)) from None
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: writer.stop())
+        try:
+            writer.serve_forever(
+                ready=lambda: self.stdout.write(f"sale writer listening on {path}")
+            )
+        except (OSError, RuntimeError) as error:
+            raise CommandError(f"sale writer: {error}") from None
+        stats = writer.stats()
+        self.stdout.write(
+            f"sale writer stopped: {stats['sales']} sales in {stats['batches']} batches"
+        )
 
     def _audit(self, options: dict) -> None:
         report = selectors.audit_sale(options["sku"])

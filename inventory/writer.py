@@ -1,0 +1,397 @@
+"""The sale writer: one process that takes and writes `lua` sales for every web process.
+
+With FLASHSALE_SALE_WRITER naming a unix socket, a `lua` checkout sends its sale to the writer
+(`python manage.py salewriter`) and waits for one answer, instead of calling Redis and then the
+database itself. The writer works in two stages, each on a thread of its own, so that one
+batch's commit overlaps the next one's take:
+
+- the **taker** reads every request that has arrived, takes their units in one Redis pipeline
+  (the same check-and-DECRBY script a direct checkout runs, one per request) and queues the
+  ones that got units;
+- the **committer** writes everything queued in one statement and one commit
+  (`inventory.stock.sell_batch`: each sale keeps its own guards) and answers each buyer once
+  its order row is committed.
+
+A buyer that cannot reach the writer sells the direct way. A buyer whose writer fails after the
+request was sent answers `503 busy`: the sale may have been committed (a retry with the
+idempotency key finds it), so no fallback may sell it again. When Redis fails in the take,
+nothing was written and nothing will be: the buyer gets Redis's error, and the fallback serves
+it, as for a direct checkout.
+
+The protocol is one JSON object per line each way; one request at a time per connection.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import selectors
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.conf import settings
+from django.db import close_old_connections, connection
+from redis.exceptions import ResponseError
+
+from locking.counter import Claim, StockCounter, Take
+
+from . import stock
+from .redis_client import REDIS_DOWN_ERRORS, get_redis_client
+
+logger = logging.getLogger(__name__)
+
+#: Longest line either side sends; a longer one is a protocol error.
+MAX_LINE = 64 * 1024
+
+
+class WriterUnavailable(Exception):
+    """The writer could not be reached: nothing was sent, the checkout may go the direct way."""
+
+
+class WriterLost(Exception):
+    """The request was sent but no answer came: it may have been written or not."""
+
+
+def _line(message: dict[str, Any]) -> bytes:
+    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+
+
+# -- the buyer's side --------------------------------------------------------------------------
+
+
+class WriterClient:
+    """One connection to the writer per process (and per thread), opened on first use."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        self.path = path
+        self.timeout = timeout
+        self._local = threading.local()
+
+    def ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Send one request and return its answer. Raises WriterUnavailable when nothing was
+        sent, WriterLost when the request went out and no answer came back."""
+        sock, reader = self._connection()
+        try:
+            sock.sendall(_line(request))
+        except OSError as exc:
+            self._drop()
+            raise WriterUnavailable(f"sale writer at {self.path}: {exc}") from None
+        try:
+            raw = reader.readline(MAX_LINE)
+        except OSError as exc:
+            self._drop()
+            raise WriterLost(f"sale writer at {self.path}: {exc}") from None
+        if not raw.endswith(b"\n"):
+            self._drop()
+            raise WriterLost(f"sale writer at {self.path} closed the connection")
+        return json.loads(raw)
+
+    def _connection(self) -> tuple[socket.socket, Any]:
+        held = getattr(self._local, "held", None)
+        if held is not None and held[0] == os.getpid():
+            return held[1], held[2]
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.path)
+        except OSError as exc:
+            sock.close()
+            raise WriterUnavailable(f"sale writer at {self.path}: {exc}") from None
+        reader = sock.makefile("rb")
+        self._local.held = (os.getpid(), sock, reader)
+        return sock, reader
+
+    def _drop(self) -> None:
+        held = getattr(self._local, "held", None)
+        self._local.held = None
+        if held is not None and held[0] == os.getpid():
+            held[2].close()
+            held[1].close()
+
+
+_clients: dict[tuple[int, str], WriterClient] = {}
+
+
+def client() -> WriterClient | None:
+    """This process's client of the configured writer; None when none is configured."""
+    path = settings.FLASHSALE_SALE_WRITER
+    if not path:
+        return None
+    key = (os.getpid(), path)
+    found = _clients.get(key)
+    if found is None:
+        found = _clients[key] = WriterClient(path, settings.FLASHSALE_GROUP_COMMIT_WAIT_MS / 1000)
+    return found
+
+
+def sale_request(
+    *,
+    cursor: str,
+    counters: list[str],
+    qty: int,
+    claim: Claim | None,
+    sale: dict[str, Any],
+) -> dict[str, Any]:
+    """What a buyer sends: where to take the units from, and the sale to write with them."""
+    return {
+        "cursor": cursor,
+        "counters": counters,
+        "qty": qty,
+        "claim": None if claim is None else [claim.key, claim.ttl_ms, claim.token],
+        "sale": sale,
+    }
+
+
+# -- the writer's side -------------------------------------------------------------------------
+
+
+@dataclass
+class _Connection:
+    sock: socket.socket
+    buffer: bytearray = field(default_factory=bytearray)
+
+
+@dataclass
+class _Sale:
+    conn: _Connection
+    request: dict[str, Any]  # what sell_batch takes, with its rows
+
+
+class SaleWriter:
+    """Serves buyers on a unix socket until `stop()`."""
+
+    def __init__(self, path: str, *, batch: int | None = None) -> None:
+        self.path = path
+        self.batch = batch or settings.FLASHSALE_GROUP_COMMIT_BATCH
+        self.sales = 0
+        self.batches = 0
+        #: Wall and CPU seconds spent taking (the scripts) and committing (the statements).
+        self.take_seconds = self.take_cpu = 0.0
+        self.commit_seconds = self.commit_cpu = 0.0
+        #: The PostgreSQL backend of the committer's connection.
+        self.backend_pid: int | None = None
+        self._selector = selectors.DefaultSelector()
+        self._commits: queue.SimpleQueue[_Sale | None] = queue.SimpleQueue()
+        self._stopping = threading.Event()
+        self._counter = StockCounter(get_redis_client())
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def serve_forever(self, ready: Callable[[], None] | None = None) -> None:
+        listener = self._listen()
+        committer = threading.Thread(target=self._commit_loop, name="sale-writer-commit")
+        committer.start()
+        logger.debug("sale writer listening on %s", self.path)
+        if ready is not None:
+            ready()
+        try:
+            while not self._stopping.is_set():
+                arrived: list[tuple[_Connection, dict[str, Any]]] = []
+                for key, _ in self._selector.select(timeout=0.5):
+                    if key.fileobj is listener:
+                        self._accept(listener)
+                    else:
+                        arrived += self._read(key.data)
+                if arrived:
+                    self._take_all(arrived)
+        finally:
+            self._commits.put(None)  # after everything taken: it is written first
+            committer.join()
+            self._selector.close()
+            listener.close()
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def _listen(self) -> socket.socket:
+        if os.path.exists(self.path):
+            if not stat.S_ISSOCK(os.stat(self.path).st_mode):
+                raise RuntimeError(f"{self.path} exists and is not a socket")
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(self.path)
+            except OSError:
+                os.unlink(self.path)  # left by a writer that died
+            else:
+                raise RuntimeError(f"another sale writer is listening on {self.path}")
+            finally:
+                probe.close()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.path)
+        listener.listen(1024)
+        listener.setblocking(False)
+        self._selector.register(listener, selectors.EVENT_READ)
+        return listener
+
+    def _accept(self, listener: socket.socket) -> None:
+        try:
+            sock, _ = listener.accept()
+        except BlockingIOError:
+            return
+        sock.setblocking(True)
+        sock.settimeout(5.0)  # answers are small; a buyer that stops reading is dropped
+        conn = _Connection(sock)
+        self._selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _close(self, conn: _Connection) -> None:
+        try:
+            self._selector.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+
+    def _read(self, conn: _Connection) -> list[tuple[_Connection, dict[str, Any]]]:
+        try:
+            data = conn.sock.recv(MAX_LINE)
+        except OSError:
+            data = b""
+        if not data:
+            self._close(conn)
+            return []
+        conn.buffer += data
+        arrived = []
+        while True:
+            end = conn.buffer.find(b"\n")
+            if end < 0:
+                if len(conn.buffer) > MAX_LINE:
+                    self._close(conn)
+                break
+            raw = bytes(conn.buffer[:end])
+            del conn.buffer[: end + 1]
+            try:
+                request = json.loads(raw)
+                if not isinstance(request, dict):
+                    raise ValueError("not an object")
+            except ValueError as exc:
+                self._answer(conn, {"o": "invalid", "e": str(exc)})
+                continue
+            if request.get("op") == "stats":
+                self._answer(conn, self.stats())
+                continue
+            arrived.append((conn, request))
+        return arrived
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "backend_pid": self.backend_pid,
+            "sales": self.sales,
+            "batches": self.batches,
+            "take_seconds": self.take_seconds,
+            "take_cpu_seconds": self.take_cpu,
+            "commit_seconds": self.commit_seconds,
+            "commit_cpu_seconds": self.commit_cpu,
+        }
+
+    def _answer(self, conn: _Connection, answer: dict[str, Any]) -> None:
+        try:
+            conn.sock.sendall(_line(answer))
+        except OSError:
+            pass  # the buyer is gone; its sale, if written, is in the database all the same
+
+    # -- the taker: units from Redis, one pipeline for everything that arrived ---------------
+
+    def _take_all(self, arrived: list[tuple[_Connection, dict[str, Any]]]) -> None:
+        takes: list[tuple[_Connection, dict[str, Any], Take]] = []
+        for conn, request in arrived:
+            try:
+                claim = None if request.get("claim") is None else Claim(*request["claim"])
+                take = Take(request["cursor"], request["counters"], request["qty"], claim)
+                if not isinstance(request["sale"], dict):
+                    raise ValueError("no sale to write")
+            except (KeyError, TypeError, ValueError) as exc:
+                self._answer(conn, {"o": "invalid", "e": repr(exc)})
+                continue
+            takes.append((conn, request, take))
+        if not takes:
+            return
+        started = time.perf_counter()
+        cpu0 = time.thread_time()
+        try:
+            results = self._counter.take_spread_many([take for _, _, take in takes])
+        except REDIS_DOWN_ERRORS as exc:
+            # Nothing of these requests is written, and none will be: the buyers' fallback
+            # may serve them. Units the script took before the failure come back when the
+            # counters are rebuilt from the database, as after any outage.
+            for conn, _, _ in takes:
+                self._answer(conn, {"o": "redis_down", "e": exc.__class__.__name__})
+            return
+        except (ResponseError, ValueError) as exc:
+            for conn, _, _ in takes:
+                self._answer(conn, {"o": "error", "e": str(exc)})
+            return
+        finally:
+            self.take_seconds += time.perf_counter() - started
+            self.take_cpu += time.thread_time() - cpu0
+        for (conn, request, _), result in zip(takes, results, strict=True):
+            if isinstance(result, Claim):
+                self._answer(conn, {"o": "claimed"})
+            elif result is None:
+                self._answer(conn, {"o": "missing"})
+            elif not result:
+                self._answer(conn, {"o": "sold_out"})
+            else:
+                rows = {str(index): units for index, units in result.items()}
+                self._commits.put(_Sale(conn, {**request["sale"], "rows": rows}))
+
+    # -- the committer: one statement and one commit for everything queued -------------------
+
+    def _commit_loop(self) -> None:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_backend_pid()")
+            self.backend_pid = cursor.fetchone()[0]
+        last = False
+        while not last:
+            first = self._commits.get()
+            if first is None:
+                break
+            sales = [first]
+            while len(sales) < self.batch:
+                try:
+                    more = self._commits.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    last = True
+                    break
+                sales.append(more)
+            self._commit(sales)
+        connection.close()
+
+    def _commit(self, sales: list[_Sale]) -> None:
+        # Batches lock rows in one order (lowest first), so that two writers on one database
+        # do not deadlock.
+        sales.sort(key=lambda sale: min(map(int, sale.request["rows"])))
+        requests = [sale.request for sale in sales]
+        started = time.perf_counter()
+        cpu0 = time.thread_time()
+        try:
+            answers = stock.sell_batch(requests)
+        except stock.RowLockTimeout:
+            answers = [{"o": "locked"}] * len(sales)
+        except Exception:
+            # May or may not be committed (a connection lost mid-commit): the buyers answer
+            # busy, and a retry with the idempotency key finds what was written.
+            logger.exception("sale writer: a batch of %d sales failed", len(sales))
+            answers = [{"o": "failed"}] * len(sales)
+            close_old_connections()
+            if connection.connection is not None and not connection.is_usable():
+                connection.close()
+        self.commit_seconds += time.perf_counter() - started
+        self.commit_cpu += time.thread_time() - cpu0
+        self.batches += 1
+        for sale, answer in zip(sales, answers, strict=True):
+            if answer["o"] == "sold":
+                self.sales += 1
+            self._answer(sale.conn, {**answer, "rows": sale.request["rows"]})

@@ -1,0 +1,235 @@
+"""`lua` through the sale writer: every web process hands its sales to one process that takes
+their units in one script and writes them in shared commits. Each sale keeps its own guards;
+every 201 has its committed order; nothing is oversold when Redis grants too much; a writer
+that dies mid-flood loses no 201 and sells nothing twice, and the buyers go on the direct way."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.utils import timezone
+
+from inventory import keys
+from inventory.models import Item, Order
+from inventory.orders import reconcile_sale
+from inventory.selectors import audit_sale
+from inventory.services import place_order, start_sale
+from inventory.strategies import plumbing
+from inventory.writer import SaleWriter, WriterClient
+from loadtest.flood import flood
+from shop.processes.servers import SaleWriter as SaleWriterProcess
+from tests.conftest import server_env, start_shop
+
+STOCK = 60
+BUYERS = 24
+ATTEMPTS = 200
+ROUNDS = 3
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(scope="module")
+def writer_process(django_db_setup, django_db_blocker):
+    writer = SaleWriterProcess(server_env()).start()
+    yield writer
+    writer.stop()
+
+
+@pytest.fixture(scope="module")
+def writer_shop(writer_process):
+    server = start_shop(**writer_process.env())
+    yield server
+    server.stop()
+
+
+def _stats(path: str) -> dict:
+    return WriterClient(path, 5.0).ask({"op": "stats"})
+
+
+def test_a_flood_through_the_writer_sells_exactly_the_stock_in_shared_commits(
+    writer_shop, writer_process
+):
+    before = _stats(writer_process.path)
+    for round_number in range(ROUNDS):
+        # Given a lua sale on a server whose web processes send their sales to the writer
+        sku = f"written-{uuid.uuid4().hex[:8]}"
+        start_sale(sku=sku, stock=STOCK, strategy="lua")
+
+        # When a crowd larger than the stock buys, many at a time
+        result = flood(writer_shop.url, sku, attempts=ATTEMPTS, concurrency=BUYERS)
+
+        # Then exactly the stock is sold, each 201 is a committed order, nothing else is
+        context = f"round {round_number}: {dict(result.statuses)} {dict(result.errors)}"
+        assert result.transport_failures == 0 and result.server_errors == 0, context
+        assert result.accepted == STOCK, context
+        assert result.errors == {"sold_out": ATTEMPTS - STOCK}, context
+        stored = Order.objects.filter(item__sku=sku)
+        placed = sorted(str(pid) for pid in stored.values_list("public_id", flat=True))
+        assert sorted(result.order_ids) == placed, context
+        audit = audit_sale(sku)
+        assert audit["oversold"] == 0 and audit["remaining"] == 0, audit
+        assert audit["db_stock"] == audit["redis_stock"] == 0 and audit["consistent"], audit
+    # and the writer wrote them all, several to a commit
+    after = _stats(writer_process.path)
+    written = after["sales"] - before["sales"]
+    assert written == ROUNDS * STOCK
+    assert after["batches"] - before["batches"] < written
+
+
+def test_a_redis_counter_too_high_is_refused_by_the_database(writer_in_thread):
+    # Given a lua sale whose Redis counters say 3x what its stock rows hold
+    start_sale(sku="widget", stock=20, strategy="lua")
+    item = Item.objects.get(sku="widget")
+    counter = plumbing.counter()
+    for index in range(item.shard_count):
+        key = keys.row(item, index)
+        counter.set(key, 3 * (counter.get(key) or 0))
+
+    # When buyers take more than the stock through the writer
+    sold = refused = 0
+    for number in range(50):
+        try:
+            place_order(sku="widget", qty=1, buyer=f"b{number}")
+            sold += 1
+        except Exception as error:  # noqa: BLE001 - the answer is what is counted
+            assert error.__class__.__name__ == "SoldOut", error
+            refused += 1
+
+    # Then the database sold its 20 units and not one more, and Redis was set right
+    assert (sold, refused) == (20, 30)
+    audit = audit_sale("widget")
+    assert audit["oversold"] == 0 and audit["db_stock"] == 0, audit
+    assert audit["redis_stock"] == 0 and audit["consistent"], audit
+    assert writer_in_thread.sales == 20
+
+
+def test_a_killed_writer_loses_no_201_and_the_buyers_go_on_the_direct_way():
+    stock = 400
+    writer = SaleWriterProcess(server_env()).start()
+    server = start_shop(**writer.env())
+    try:
+        # Given a flood through the writer that outlasts the stock
+        sku = f"killed-{uuid.uuid4().hex[:8]}"
+        start_sale(sku=sku, stock=stock, strategy="lua")
+        results = []
+        buyers = threading.Thread(
+            target=lambda: results.append(
+                flood(server.url, sku, attempts=3 * stock, concurrency=BUYERS, pause=0.005)
+            )
+        )
+        buyers.start()
+
+        # When the writer is killed (SIGKILL) once a quarter is sold
+        deadline = time.monotonic() + 60
+        while Item.objects.get(sku=sku).units_left > stock * 3 // 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        writer.kill()
+        killed_at = timezone.now()
+        buyers.join(120)
+        assert not buyers.is_alive()
+    finally:
+        server.stop()
+        writer.kill()
+    (result,) = results
+
+    # Then no buyer saw a server error, and every 201 is a committed order
+    context = f"{dict(result.statuses)} {dict(result.errors)}"
+    assert result.transport_failures == 0, context
+    assert set(result.statuses) <= {201, 409, 503}, context
+    stored = Order.objects.filter(item__sku=sku)
+    assert set(result.order_ids) <= {str(pid) for pid in stored.values_list("public_id", flat=True)}
+    # and an order without a 201 is one the writer committed and could not answer (its buyer
+    # was told busy: a retry with the idempotency key finds it)
+    assert 0 <= stored.count() - result.accepted <= result.statuses[503], context
+    # the buyers went on selling the direct way once the writer was gone
+    assert stored.filter(created_at__gt=killed_at).exists(), context
+    audit = audit_sale(sku)
+    assert audit["oversold"] == 0, audit
+    assert audit["accepted_units"] + audit["db_stock"] == stock, audit
+    # units the writer took and never wrote: Redis is short of them until reconciled
+    reconcile_sale(sku)
+    audit = audit_sale(sku)
+    assert audit["consistent"] and audit["redis_stock"] == audit["db_stock"], audit
+
+
+def test_buyers_find_a_restarted_writer_again(writer_in_thread, settings):
+    start_sale(sku="widget", stock=10, strategy="lua")
+    place_order(sku="widget", qty=1, buyer="ann")
+    assert writer_in_thread.sales == 1
+
+    # When the writer stops, checkouts are served the direct way
+    writer_in_thread.stop()
+    for _ in range(100):
+        if not os.path.exists(writer_in_thread.path):
+            break
+        time.sleep(0.05)
+    place_order(sku="widget", qty=1, buyer="bob")
+    assert writer_in_thread.sales == 1
+
+    # and once a writer listens there again, through it
+    again = SaleWriter(writer_in_thread.path)
+    ready = threading.Event()
+    thread = threading.Thread(target=again.serve_forever, kwargs={"ready": ready.set})
+    thread.start()
+    try:
+        assert ready.wait(10)
+        place_order(sku="widget", qty=1, buyer="cat")
+        assert again.sales == 1
+    finally:
+        again.stop()
+        thread.join(10)
+    assert Order.objects.filter(item__sku="widget").count() == 3
+    audit = audit_sale("widget")
+    assert audit["db_stock"] == audit["redis_stock"] == 7 and audit["consistent"], audit
+
+
+def _raw(path: str, line: bytes) -> dict:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(5)
+        sock.connect(path)
+        sock.sendall(line)
+        return json.loads(sock.makefile("rb").readline())
+
+
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [
+        (b"not json\n", "Expecting value"),
+        (b"[1, 2]\n", "not an object"),
+        (b'{"qty": 1}\n', "KeyError"),
+        (b'{"cursor": "c", "counters": [], "qty": 1, "sale": {}}\n', "at least one counter"),
+        (b'{"cursor": "c", "counters": "abc", "qty": 1, "sale": {}}\n', "list of counter"),
+        (b'{"cursor": "c", "counters": ["k"], "qty": 0, "sale": {}}\n', "qty must be"),
+        (b'{"cursor": "c", "counters": ["k"], "qty": true, "sale": {}}\n', "qty must be"),
+        (b'{"cursor": "c", "counters": ["k"], "qty": 1, "sale": 3}\n', "no sale"),
+    ],
+)
+def test_the_writer_refuses_bad_requests_and_takes_nothing(writer_in_thread, line, why):
+    start_sale(sku="widget", stock=10, strategy="lua")
+    item = Item.objects.get(sku="widget")
+    levels = plumbing.counter().get_many(keys.rows(item))
+
+    answer = _raw(writer_in_thread.path, line)
+
+    assert answer["o"] == "invalid" and why in answer["e"], answer
+    assert plumbing.counter().get_many(keys.rows(item)) == levels
+    assert writer_in_thread.sales == 0 and Order.objects.count() == 0
+
+
+def test_sale_writer_command_says_what_is_wrong(writer_in_thread, settings):
+    settings.FLASHSALE_SALE_WRITER = ""
+    with pytest.raises(CommandError, match="name the socket"):
+        call_command("sale", "writer")
+    with pytest.raises(CommandError, match="another sale writer is listening"):
+        call_command("sale", "writer", "--socket", writer_in_thread.path)
+    with pytest.raises(CommandError, match="sale writer:"):
+        call_command("sale", "writer", "--socket", "/nonexistent-dir/writer.sock")
