@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import tempfile
 import threading
 import time
 import uuid
@@ -233,3 +234,44 @@ def test_sale_writer_command_says_what_is_wrong(writer_in_thread, settings):
         call_command("sale", "writer", "--socket", writer_in_thread.path)
     with pytest.raises(CommandError, match="sale writer:"):
         call_command("sale", "writer", "--socket", "/nonexistent-dir/writer.sock")
+
+
+def test_redis_down_under_the_writer_sends_checkouts_to_the_fallback(settings):
+    from inventory.breaker import breaker
+    from shop.processes.redis_server import RedisServer
+
+    settings.FLASHSALE_REDIS_TIMEOUT = 0.2
+    settings.FLASHSALE_REDIS_CONNECT_TIMEOUT = 0.2
+    settings.FLASHSALE_BREAKER_PROBE_SECONDS = 0.2
+    with RedisServer() as redis_server:
+        settings.REDIS_URL = redis_server.url
+        writer = SaleWriter(f"{tempfile.gettempdir()}/flashsale-test-{uuid.uuid4().hex}.sock")
+        ready = threading.Event()
+        thread = threading.Thread(target=writer.serve_forever, kwargs={"ready": ready.set})
+        thread.start()
+        try:
+            assert ready.wait(10)
+            settings.FLASHSALE_SALE_WRITER = writer.path
+            # Given a lua sale selling through the writer
+            start_sale(sku="widget", stock=10, strategy="lua")
+            place_order(sku="widget", qty=1, buyer="ann")
+            assert writer.sales == 1
+
+            # When Redis dies, the writer's take fails: nothing is written, and the checkout
+            # is served by the database fallback
+            redis_server.kill()
+            bob = place_order(sku="widget", qty=1, buyer="bob").order
+            assert bob.fallback and writer.sales == 1
+
+            # and once Redis is back (empty), rebuilt from the database, through the writer again
+            redis_server.restart()
+            time.sleep(0.3)
+            cat = place_order(sku="widget", qty=1, buyer="cat").order
+            assert not cat.fallback and writer.sales == 2
+        finally:
+            writer.stop()
+            thread.join(10)
+            breaker.reset()
+        audit = audit_sale("widget")
+        assert audit["oversold"] == 0 and audit["accepted_units"] == 3, audit
+        assert audit["db_stock"] == audit["redis_stock"] == 7 and audit["consistent"], audit
