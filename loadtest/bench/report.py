@@ -114,9 +114,10 @@ def print_ratios(checks: list[dict[str, Any]]) -> None:
         if check["target"] is None and not bounds:
             bounds = True
             print(
-                "bounds (what this machine allows: lua against its least possible work, a take "
-                "plus the sale statement on a stock row; that against the hot row, the sale "
-                "statement alone on the item row):"
+                "other ratios (lua with each buyer taking and writing its own sales, against the "
+                "hot row and the sale writer; then what the machine allows a buyer on its own: "
+                "lua against its least possible work, a take plus the sale statement on a stock "
+                "row, and that against the hot row, the sale statement alone on the item row):"
             )
         if "ratio" not in check:
             print(f"  {check['what']} vs {check['versus']}: not measured in this run")

@@ -11,7 +11,13 @@ from typing import Any
 
 from .buyers import buyer_process
 from .contenders import EVALSHA, EVALSHA_SELL, HOT_ROW, BuyerReport, Contender, Result
-from .measure import host_cpu_times, lock_wait_allowed_seconds, percentile_ms, redis_cpu_seconds
+from .measure import (
+    host_cpu_times,
+    lock_wait_allowed_seconds,
+    percentile_ms,
+    process_cpu_seconds,
+    redis_cpu_seconds,
+)
 
 # -- one contender ---------------------------------------------------------------------------
 
@@ -51,6 +57,72 @@ def _audit(contender: Contender, stock: int, sold: int) -> dict[str, Any]:
     return audit_sale(contender.sku)
 
 
+def _serve_sales(path: str, ready: Any) -> None:
+    """Body of the sale writer's process, for a contender that sells through one."""
+    import signal
+
+    from inventory.writer import SaleWriter
+
+    writer = SaleWriter(path)
+    signal.signal(signal.SIGTERM, lambda *_: writer.stop())
+    writer.serve_forever(ready=ready.set)
+
+
+class _Writer:
+    """The sale writer a contender's buyers send their sales to, started for its round: its
+    CPU and its database backend's are counted with the buyers'."""
+
+    def __init__(self, context: Any, path: str) -> None:
+        self.path = path
+        ready = context.Event()
+        self.process = context.Process(target=_serve_sales, args=(path, ready), name="writer")
+        self.process.start()
+        if not ready.wait(30):
+            self.process.kill()
+            raise RuntimeError("the sale writer did not start")
+        self.stats = self._stats()
+        self.cpu = process_cpu_seconds(self.process.pid) or 0.0
+        self.backend_cpu = process_cpu_seconds(self.stats["backend_pid"]) or 0.0
+
+    def _stats(self) -> dict[str, Any]:
+        from inventory.writer import WriterClient
+
+        for _ in range(100):
+            stats = WriterClient(self.path, 5.0).ask({"op": "stats"})
+            if stats["backend_pid"]:
+                return stats
+            time.sleep(0.05)
+        raise RuntimeError("the sale writer has no database connection")
+
+    def finish(self) -> tuple[float, float, dict[str, Any]]:
+        """(its CPU seconds, its backend's, its stats) since it started; then stop it."""
+        stats = self._stats()
+        cpu = (process_cpu_seconds(self.process.pid) or 0.0) - self.cpu
+        backend = (process_cpu_seconds(stats["backend_pid"]) or 0.0) - self.backend_cpu
+        self.process.terminate()
+        self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        return cpu, backend, stats
+
+
+def _writer_summary(stats: dict[str, Any], cpu: float) -> str:
+    batches = stats["batches"]
+
+    def per_batch(seconds: float) -> str:
+        return f"{1000 * seconds / batches:.2f}"
+
+    return (
+        f"sale writer: {stats['sales']} sales in {batches} batches "
+        f"({stats['sales'] / batches:.1f} per batch); per batch, ms: take "
+        f"{per_batch(stats['take_seconds'])} ({per_batch(stats['take_cpu_seconds'])} CPU), "
+        f"statement {per_batch(stats['commit_seconds'])} "
+        f"({per_batch(stats['commit_cpu_seconds'])} CPU); "
+        f"its CPU per sale {1000 * cpu / max(stats['sales'], 1):.2f} ms"
+    )
+
+
 def run_contender(contender: Contender, args: argparse.Namespace, round_: int) -> Result:
     from django.db import connections
 
@@ -60,6 +132,8 @@ def run_contender(contender: Contender, args: argparse.Namespace, round_: int) -
     connections.close_all()
 
     context = multiprocessing.get_context("fork")
+    writer_path = contender.settings.get("FLASHSALE_SALE_WRITER")
+    writer = _Writer(context, writer_path) if writer_path else None
     buyer_count = contender.buyers or args.buyers
     barrier = context.Barrier(buyer_count + 1)
     reports = context.Queue()
@@ -100,6 +174,12 @@ def run_contender(contender: Contender, args: argparse.Namespace, round_: int) -
         if process.is_alive():
             process.kill()
             process.join()
+    writer_cpu = writer_backend_cpu = 0.0
+    notes = []
+    if writer is not None:
+        writer_cpu, writer_backend_cpu, writer_stats = writer.finish()
+        if writer_stats["batches"]:
+            notes.append(_writer_summary(writer_stats, writer_cpu))
 
     buyers = [BuyerReport(**gathered[worker]) for worker in sorted(gathered)]
     errors = [report.error for report in buyers if report.error]
@@ -144,10 +224,10 @@ def run_contender(contender: Contender, args: argparse.Namespace, round_: int) -
         remaining=audit["remaining"],
         consistent=bool(audit["consistent"]),
         safe=contender.safe,
-        client_cpu_ms_per_buy=per_buy(sum(report.cpu_seconds for report in buyers)),
+        client_cpu_ms_per_buy=per_buy(sum(report.cpu_seconds for report in buyers) + writer_cpu),
         postgres_cpu_ms_per_buy=None
         if contender.name == EVALSHA or None in backend or not backend
-        else per_buy(sum(seconds or 0.0 for seconds in backend)),
+        else per_buy(sum(seconds or 0.0 for seconds in backend) + writer_backend_cpu),
         redis_cpu_ms_per_buy=per_buy(redis_cpu),
         host_cpu_busy=host_busy,
         p50_ms=percentile_ms(durations, 0.50),
@@ -156,4 +236,5 @@ def run_contender(contender: Contender, args: argparse.Namespace, round_: int) -
         phases_ms_per_buy={phase: 1000 * total / sold for phase, total in phases.items()}
         if sold
         else {},
+        notes=notes,
     )

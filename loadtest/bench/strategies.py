@@ -266,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                     + (" ERRORS" if result.errors else ""),
                     flush=True,
                 )
+                for note in result.notes:
+                    print(f"    {note}", flush=True)
                 for error in result.errors:
                     print(f"    {error.rstrip()}", file=sys.stderr)
     finally:

@@ -22,6 +22,7 @@ SAFE = [
     "lua",
     "optimistic",
     "lua, group commit",
+    "lua, sale writer",
     "lock +5 ms work",
     "segmented +5 ms work",
     *(peer.label for peer in PEERS.values()),
@@ -63,7 +64,10 @@ def test_a_tiny_run_prints_every_contender_and_no_safe_one_oversells(django_db_s
         assert rows[name]["consistent"] == "yes", rows[name].string
     assert result.stdout.count("(target >= ") == 5, result.stdout
     assert result.stdout.count("(target <= ") == 1, result.stdout
+    assert re.search(r"lua, sale writer\s+vs hot row \(SQL\)\s+\d+\.\d\dx", result.stdout)
     assert re.search(r"lua\s+vs hot row \(SQL\)\s+\d+\.\d\dx", result.stdout), result.stdout
+    # the sale writer's row says how it batched
+    assert re.search(r"sale writer: \d+ sales in \d+ batches", result.stdout), result.stdout
     assert re.search(r"lock\s+vs hot row \(SQL\)\s+\d+\.\d\dx", result.stdout), result.stdout
     assert re.search(r"take \+ row sale \(SQL\)\s+vs hot row \(SQL\)\s+\d", result.stdout)
     # and every unit a buyer was sold is an order in the database
