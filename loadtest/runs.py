@@ -54,7 +54,7 @@ from inventory.selectors import audit_sale
 from inventory.services import start_sale
 from inventory.strategies import oversells, strategy_names
 from shop import queues
-from shop.processes.servers import PROJECT_DIR, CeleryWorker, ShopServer
+from shop.processes.servers import PROJECT_DIR, CeleryWorker, SaleWriter, ShopServer
 
 from .bench.measure import percentile_ms
 from .models import SaleRun
@@ -110,6 +110,8 @@ class LoadRunSettings:
     #: A sized stock lasts window x headroom at the probe's pace: room for a faster sale.
     headroom: float = 1.5
     unsafe_delay_ms: int = 5
+    #: A server started here sends `lua`'s sales through a sale writer started with it.
+    sale_writer: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -159,7 +161,11 @@ class LoadRunSettings:
             value = getattr(self, setting.name)
             if setting.name in ("strategies", "extra_env") or value in (None, setting.default):
                 continue
-            arguments += [f"--{setting.name.replace('_', '-')}", str(value)]
+            option = setting.name.replace("_", "-")
+            if isinstance(value, bool):
+                arguments.append(f"--{option}" if value else f"--no-{option}")
+                continue
+            arguments += [f"--{option}", str(value)]
         return arguments
 
     @property
@@ -203,6 +209,7 @@ class LoadRunSettings:
             "workers": self.workers,
             "host": self.host or "local gunicorn",
             "server_workers": None if self.host else self.server_workers,
+            "sale_writer": None if self.host else self.sale_writer,
             "warmup": self.warmup_seconds,
             "strategies": self.strategies,
         }
@@ -277,16 +284,26 @@ def _target(config: LoadRunSettings, batch: str, out: Path, progress: Progress) 
     # environment, which Locust inherits from this process.
     os.environ.setdefault("FLASHSALE_API_TOKEN", secrets.token_urlsafe(32))
     env["FLASHSALE_API_TOKEN"] = os.environ["FLASHSALE_API_TOKEN"]
+    writer = SaleWriter(env, log_path=out / "writer.log") if config.sale_writer else None
+    server_env = {**env, **(writer.env() if writer else {})}
     server = ShopServer(
-        env=env, workers=config.server_workers, log_path=out / "server.log", preload=True
+        env=server_env, workers=config.server_workers, log_path=out / "server.log", preload=True
     )
     worker = CeleryWorker(env, log_path=out / "worker.log")
     with ExitStack() as stack:
-        # Undone in reverse: the server first (no more orders), the worker, then its queue.
+        # Undone in reverse: the server first (no more orders), the writer (what it has taken
+        # it writes), the worker, then its queue.
         stack.callback(_delete_queue, queue, config.strategies, timezone.now(), progress)
         stack.callback(worker.stop)
+        progress(
+            f"starting gunicorn ({config.server_workers} workers), "
+            + ("a sale writer " if writer else "")
+            + "and a Celery worker"
+        )
+        if writer is not None:
+            stack.callback(writer.stop)
+            writer.start()
         stack.callback(server.stop)
-        progress(f"starting gunicorn ({config.server_workers} workers) and a Celery worker")
         server.start()
         worker.start()
         yield server.url

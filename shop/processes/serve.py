@@ -1,5 +1,5 @@
-"""What `make serve` runs (inside shop.devservices): migrate, then gunicorn, a Celery worker and
-Celery beat (the order sweeper and reconciler).
+"""What `make serve` runs (inside shop.devservices): migrate, then the sale writer, gunicorn, a
+Celery worker and Celery beat (the order sweeper and reconciler).
 
 Usage: python -m shop.serve [--host 127.0.0.1] [--port 8000] [--workers 4]
 
@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from typing import IO
 
@@ -112,6 +113,10 @@ class Server:
             say(f"`manage.py migrate` failed (exit {exit_status(migrate.returncode)}); not serving")
             return 1
 
+        # `lua`'s sales of every web process, in shared commits (FLASHSALE_SALE_WRITER="" turns
+        # it off: each web process then writes its own).
+        if os.environ.setdefault("FLASHSALE_SALE_WRITER", self.writer_socket()):
+            self._spawn("the sale writer", [sys.executable, "manage.py", "sale", "writer"])
         self._spawn(
             "the web server (gunicorn)",
             [sys.executable, "-m", "gunicorn", "shop.wsgi:application"]
@@ -152,8 +157,11 @@ class Server:
                     say(f"gunicorn did not accept connections on {self.url} within 60 s")
                     return 1
             time.sleep(0.2)
-        say("stopping the web server, the Celery worker and beat")
+        say("stopping the web server, the sale writer, the Celery worker and beat")
         return 0
+
+    def writer_socket(self) -> str:
+        return os.path.join(tempfile.gettempdir(), f"flashsale-writer-{self.port}.sock")
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         # Sessions of their own: a Ctrl-C reaches this process only, which then stops both in

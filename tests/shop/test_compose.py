@@ -251,6 +251,19 @@ def test_web_migrates_then_serves_the_wsgi_app_on_8000(services):
     assert [str(port) for port in web["expose"]] == ["8000"]
 
 
+def test_the_sale_writer_shares_its_socket_with_web(services):
+    writer, web = services["writer"], services["web"]
+    assert "manage.py sale" in check_entry_points(writer["command"], django_commands())
+    assert writer["command"][-2:] == ["sale", "writer"], writer["command"]
+    for service in (writer, web):
+        env = service["environment"]
+        socket_dir = str(Path(env["FLASHSALE_SALE_WRITER"]).parent)
+        mounts = {volume.split(":")[1]: volume.split(":")[0] for volume in service["volumes"]}
+        assert mounts.get(socket_dir) == "writer-socket", service["volumes"]
+    assert "writer.sock" in " ".join(writer["healthcheck"]["test"])
+    assert not writer.get("ports")
+
+
 def test_only_nginx_is_published_and_it_buffers_requests_for_gunicorn(services):
     # gunicorn's sync workers are never reachable by a slow client directly
     published = {name for name, service in services.items() if service.get("ports")}

@@ -80,6 +80,13 @@ class Command(BaseCommand):
             "--server-workers", type=int, default=8, help="gunicorn workers when started here"
         )
         parser.add_argument(
+            "--sale-writer",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="on a server started here, send `lua`'s sales through a sale writer started "
+            "with it (`manage.py sale writer`; default: yes)",
+        )
+        parser.add_argument(
             "--settle-timeout",
             type=float,
             default=SETTLE_TIMEOUT,
@@ -124,6 +131,7 @@ class Command(BaseCommand):
             workers=options["workers"],
             qty=options["qty"],
             server_workers=options["server_workers"],
+            sale_writer=options["sale_writer"],
             settle_timeout=options["settle_timeout"],
             warmup=options["warmup"],
             unsafe_delay_ms=options["unsafe_delay_ms"],
