@@ -22,6 +22,24 @@ from .ports import free_port
 PROJECT_DIR = Path(__file__).resolve().parents[2]
 
 
+def kill_group(process: subprocess.Popen[bytes] | None) -> None:
+    """SIGKILL a child started in a session of its own, and whatever it started, at once."""
+    if process is not None and process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def stop_group(process: subprocess.Popen[bytes] | None, timeout: float) -> None:
+    """SIGTERM a child started in a session of its own; SIGKILL it after `timeout` seconds."""
+    if process is None or process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(process)
+
+
 class ShopServer:
     """gunicorn `shop.wsgi:application` on 127.0.0.1, sync workers, in its own process group."""
 
@@ -88,14 +106,7 @@ class ShopServer:
         raise RuntimeError(f"gunicorn did not answer /healthz within {timeout} s")
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        stop_group(self.process, timeout=10)
 
     def __enter__(self) -> ShopServer:
         return self.start()
@@ -160,18 +171,10 @@ class CeleryWorker:
 
     def kill(self) -> None:
         """SIGKILL the worker and its pool processes at once, as a crash would."""
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        kill_group(self.process)
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        stop_group(self.process, timeout=15)
 
 
 class SaleWriter:
@@ -222,18 +225,10 @@ class SaleWriter:
 
     def kill(self) -> None:
         """SIGKILL it, as a crash would: what it took and had not written stays taken."""
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        kill_group(self.process)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
     def stop(self) -> None:
         """SIGTERM: it writes what it has taken, answers, and exits."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        stop_group(self.process, timeout=15)

@@ -15,9 +15,9 @@ from inventory.models import BuyerAllowance, Item, Order
 from inventory.selectors import audit_sale
 from inventory.services import place_order, start_sale
 from inventory.strategies import plumbing
-from loadtest.flood import flood
 from locking.combining import GroupCommit, Queued
 from tests.conftest import start_shop
+from tests.support import flood_sells_exactly_the_stock
 
 STOCK = 60
 BUYERS = 24
@@ -36,25 +36,16 @@ def grouped_shop(django_db_setup, django_db_blocker):
 
 def test_a_flood_through_group_commit_sells_exactly_the_stock_in_shared_commits(grouped_shop):
     batched = 0
-    for round_number in range(ROUNDS):
+    for _ in range(ROUNDS):
         # Given a lua sale whose checkouts are written in batches
         sku = f"grouped-{uuid.uuid4().hex[:8]}"
         start_sale(sku=sku, stock=STOCK, strategy="lua")
 
         # When a crowd larger than the stock buys, many at a time
-        result = flood(grouped_shop.url, sku, attempts=ATTEMPTS, concurrency=BUYERS)
-
         # Then exactly the stock is sold, each 201 is a committed order, nothing else is
-        context = f"round {round_number}: {dict(result.statuses)} {dict(result.errors)}"
-        assert result.transport_failures == 0 and result.server_errors == 0, context
-        assert result.accepted == STOCK, context
-        assert result.errors == {"sold_out": ATTEMPTS - STOCK}, context
-        stored = Order.objects.filter(item__sku=sku)
-        placed = sorted(str(pid) for pid in stored.values_list("public_id", flat=True))
-        assert sorted(result.order_ids) == placed, context
-        audit = audit_sale(sku)
-        assert audit["oversold"] == 0 and audit["remaining"] == 0, audit
-        assert audit["db_stock"] == audit["redis_stock"] == 0 and audit["consistent"], audit
+        stored = flood_sells_exactly_the_stock(
+            grouped_shop.url, sku, stock=STOCK, attempts=ATTEMPTS, buyers=BUYERS
+        )
         # and orders shared commits: a batch stamps its orders with one time
         batched += stored.count() - stored.values("created_at").distinct().count()
     assert batched > 0

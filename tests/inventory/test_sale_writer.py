@@ -28,6 +28,7 @@ from inventory.writer import SaleWriter, WriterClient
 from loadtest.flood import flood
 from shop.processes.servers import SaleWriter as SaleWriterProcess
 from tests.conftest import server_env, start_shop
+from tests.support import flood_sells_exactly_the_stock
 
 STOCK = 60
 BUYERS = 24
@@ -59,25 +60,16 @@ def test_a_flood_through_the_writer_sells_exactly_the_stock_in_shared_commits(
     writer_shop, writer_process
 ):
     before = _stats(writer_process.path)
-    for round_number in range(ROUNDS):
+    for _ in range(ROUNDS):
         # Given a lua sale on a server whose web processes send their sales to the writer
         sku = f"written-{uuid.uuid4().hex[:8]}"
         start_sale(sku=sku, stock=STOCK, strategy="lua")
 
         # When a crowd larger than the stock buys, many at a time
-        result = flood(writer_shop.url, sku, attempts=ATTEMPTS, concurrency=BUYERS)
-
         # Then exactly the stock is sold, each 201 is a committed order, nothing else is
-        context = f"round {round_number}: {dict(result.statuses)} {dict(result.errors)}"
-        assert result.transport_failures == 0 and result.server_errors == 0, context
-        assert result.accepted == STOCK, context
-        assert result.errors == {"sold_out": ATTEMPTS - STOCK}, context
-        stored = Order.objects.filter(item__sku=sku)
-        placed = sorted(str(pid) for pid in stored.values_list("public_id", flat=True))
-        assert sorted(result.order_ids) == placed, context
-        audit = audit_sale(sku)
-        assert audit["oversold"] == 0 and audit["remaining"] == 0, audit
-        assert audit["db_stock"] == audit["redis_stock"] == 0 and audit["consistent"], audit
+        flood_sells_exactly_the_stock(
+            writer_shop.url, sku, stock=STOCK, attempts=ATTEMPTS, buyers=BUYERS
+        )
     # and the writer wrote them all, several to a commit
     after = _stats(writer_process.path)
     written = after["sales"] - before["sales"]

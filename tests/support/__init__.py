@@ -67,3 +67,25 @@ def run_in_thread(target) -> tuple[threading.Thread, dict]:
     thread = threading.Thread(target=body, daemon=True)
     thread.start()
     return thread, outcome
+
+
+def flood_sells_exactly_the_stock(url: str, sku: str, *, stock: int, attempts: int, buyers: int):
+    """Flood a running `lua` sale of `stock` units (started by the caller) with more attempts
+    than units, and assert exactly the stock was sold: each 201 a committed order, every other
+    answer sold out, the database and Redis at 0. Returns the sale's orders."""
+    from inventory.models import Order
+    from inventory.selectors import audit_sale
+    from loadtest.flood import flood
+
+    result = flood(url, sku, attempts=attempts, concurrency=buyers)
+    context = f"{sku}: {dict(result.statuses)} {dict(result.errors)}"
+    assert result.transport_failures == 0 and result.server_errors == 0, context
+    assert result.accepted == stock, context
+    assert result.errors == {"sold_out": attempts - stock}, context
+    stored = Order.objects.filter(item__sku=sku)
+    placed = sorted(str(pid) for pid in stored.values_list("public_id", flat=True))
+    assert sorted(result.order_ids) == placed, context
+    audit = audit_sale(sku)
+    assert audit["oversold"] == 0 and audit["remaining"] == 0, audit
+    assert audit["db_stock"] == audit["redis_stock"] == 0 and audit["consistent"], audit
+    return stored
