@@ -90,7 +90,7 @@ lint: $(STAMP) ## ruff check, ruff format --check and mypy (django-stubs)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	@# The stubs' plugin loads the settings, which only parse DATABASE_URL: nothing connects.
-	DATABASE_URL=$${DATABASE_URL:-postgres://lint@localhost/lint} $(PY) -m mypy locking inventory shop loadtest
+	DATABASE_URL=$${DATABASE_URL:-postgres://lint@localhost/lint} $(PY) -m mypy locking inventory shop loadtest pitfalls
 
 fmt: $(STAMP) ## ruff format, then ruff check --fix
 	$(PY) -m ruff format .

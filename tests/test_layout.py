@@ -53,7 +53,7 @@ def test_each_strategy_is_its_own_module_behind_the_base_contract():
 # -- the import graph -----------------------------------------------------------------------
 
 #: Lowest first: a package imports only its own layer and the ones below.
-LAYERS = ["locking", "inventory", "shop", "loadtest"]
+LAYERS = ["locking", "inventory", "shop", "loadtest", "pitfalls"]
 
 
 def _module_name(path: Path) -> str:

@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class PitfallsConfig(AppConfig):
+    name = "pitfalls"
+    verbose_name = "Pitfall lab"

@@ -1,0 +1,27 @@
+"""Every scenario of the lab, by name, in the order the lab runs them."""
+
+from __future__ import annotations
+
+from .base import ARTICLES, VARIANTS, Event, Outcome, Scenario, Variant
+from .locks import (
+    ExpiryMidWork,
+    ForeignRelease,
+    GetDelRace,
+    PollingHerd,
+    SetnxExpireGap,
+    SetTimeoutSucceeded,
+)
+
+SCENARIOS: dict[str, Scenario] = {
+    scenario.name: scenario
+    for scenario in [
+        SetnxExpireGap(),
+        ExpiryMidWork(),
+        ForeignRelease(),
+        GetDelRace(),
+        SetTimeoutSucceeded(),
+        PollingHerd(),
+    ]
+}
+
+__all__ = ["ARTICLES", "SCENARIOS", "VARIANTS", "Event", "Outcome", "Scenario", "Variant"]

@@ -1,0 +1,404 @@
+"""The lock's own failure modes: each on a Redis of its own, no database.
+
+Every timing below is a forced interleaving, with margins of hundreds of milliseconds: a
+holder works past its lock's TTL on purpose, a waiter arrives while the lock is held, a pause
+sits between two commands that should have been one. The damage therefore happens (or is
+prevented) the same way on every run, on a busy machine too.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import LockNotOwnedError
+from redis.retry import Retry
+
+from locking import Lock, scripts
+
+from .. import naive
+from ..proxy import ReplyDroppingProxy
+from .base import Outcome, Recorder, RedisHost, Scenario, Variant
+
+NAME = "pitfall:item:42:lock"
+#: The lock's TTL in the scenarios where it expires: short, so that a run takes a second or
+#: two, long enough that a busy machine's scheduling delays (tens of ms) change nothing.
+TTL = 0.5
+
+
+def _in_thread(target, *args: object) -> threading.Thread:
+    thread = threading.Thread(target=target, args=args, daemon=True)
+    thread.start()
+    return thread
+
+
+def _at(start: float, seconds: float) -> None:
+    """Sleep until `seconds` after `start` (monotonic)."""
+    time.sleep(max(0.0, start + seconds - time.monotonic()))
+
+
+class SetnxExpireGap(Scenario):
+    name = "setnx-expire-gap"
+    measure = "locks left that never expire"
+    article = "setnx-expire"
+    warning = "SETNX then EXPIRE: a crash between the two leaves the lock with no expiry"
+    explanation = (
+        "the holder dies after SETNX and before EXPIRE: nobody can ever take the item's lock "
+        "again; SET NX PX sets the lock and its expiry in one command"
+    )
+
+    def run(self, variant: Variant, redis_host: RedisHost) -> Outcome:
+        client = redis_host.client(socket_timeout=5)
+        recorder = Recorder()
+        context = multiprocessing.get_context("fork")
+        holding = context.Event()
+
+        def crash_point() -> None:
+            holding.set()
+            time.sleep(60)  # the lab kills it here
+
+        def holder() -> None:
+            own = redis_host.client(socket_timeout=5)
+            if variant == "naive":
+                # dies between the two commands
+                naive.setnx_then_expire(own, NAME, "A", 1, crash_point)
+            else:
+                Lock(own, NAME, timeout=TTL).acquire(blocking=False)
+                holding.set()
+                time.sleep(60)  # dies holding the lock
+
+        process = context.Process(target=holder, daemon=True)
+        process.start()
+        try:
+            if not holding.wait(10):
+                raise RuntimeError("the holder did not take the lock")
+            recorder.acquired("A", "SETNX" if variant == "naive" else "SET NX PX")
+            process.kill()  # SIGKILL
+            process.join()
+            recorder.note("A", "crashed", "SIGKILL")
+        finally:
+            if process.is_alive():
+                process.kill()
+        never_expires = client.pttl(NAME) == -1
+        # B wants the item: it waits three TTLs for the lock
+        lock = Lock(client, NAME, timeout=TTL)
+        waited = time.monotonic()
+        got = lock.acquire(blocking_timeout=3 * TTL)
+        waited = time.monotonic() - waited
+        if got:
+            recorder.acquired("B", f"after {waited:.2f} s")
+            lock.release()
+            recorder.released("B")
+        else:
+            recorder.note("B", "refused", f"the lock was still held after {waited:.2f} s")
+        return recorder.outcome(
+            int(never_expires), b_waited_seconds=round(waited, 2), b_got_the_lock=got, ttl=TTL
+        )
+
+
+class ExpiryMidWork(Scenario):
+    name = "expiry-mid-work"
+    measure = "holders at once beyond one"
+    article = "timeout"
+    warning = "a lock that expires while its holder still works lets a second buyer in"
+    explanation = (
+        f"A works 3x its lock's TTL ({TTL:g} s): without renewal B takes the expired lock while "
+        "A still works; the watchdog renews it every TTL/3 while A is alive"
+    )
+
+    def run(self, variant: Variant, redis_host: RedisHost) -> Outcome:
+        client = redis_host.client(socket_timeout=5)
+        recorder = Recorder()
+        watchdog = variant == "fixed"
+        start = time.monotonic()
+
+        def a() -> None:
+            lock = Lock(client, NAME, timeout=TTL, watchdog=watchdog)
+            lock.acquire()
+            recorder.acquired("A")
+            _at(start, 3 * TTL)  # the work
+            recorder.released("A")
+            try:
+                lock.release()
+            except LockNotOwnedError:
+                recorder.note("A", "lost", "its lock had expired and was someone else's")
+
+        def b() -> None:
+            _at(start, 0.1)
+            lock = Lock(redis_host.client(socket_timeout=5), NAME, timeout=TTL, watchdog=watchdog)
+            if lock.acquire(blocking_timeout=10 * TTL):
+                recorder.acquired("B")
+                time.sleep(0.1)
+                recorder.released("B")
+                lock.release()
+
+        for thread in [_in_thread(a), _in_thread(b)]:
+            thread.join(30)
+        return recorder.outcome(recorder.most_holders - 1, most_holders=recorder.most_holders)
+
+
+class ForeignRelease(Scenario):
+    name = "foreign-release"
+    measure = "locks released by a non-owner"
+    article = "pitfalls"
+    warning = "a release that does not check the owner deletes someone else's lock"
+    explanation = (
+        "A's lock expired mid-work and B holds it now: A's plain DEL deletes B's lock and lets "
+        "C in beside B; the shop's release deletes the lock only if it still holds A's token"
+    )
+
+    def run(self, variant: Variant, redis_host: RedisHost) -> Outcome:
+        client = redis_host.client(socket_timeout=5)
+        recorder = Recorder()
+        start = time.monotonic()
+        released_by_others = 0
+        ttl_ms = int(TTL * 1000)
+
+        def acquire(who: str, at: float) -> tuple[redis.Redis, Lock | str | None]:
+            _at(start, at)
+            own = redis_host.client(socket_timeout=5)
+            held: Lock | str | None
+            if variant == "naive":
+                held = naive.spin_acquire(
+                    own, NAME, ttl_ms=ttl_ms, wait_seconds=3.0, sleep_seconds=0.005
+                )
+            else:
+                lock = Lock(own, NAME, timeout=TTL)
+                held = lock if lock.acquire(blocking_timeout=3.0) else None
+            if held is not None:
+                recorder.acquired(who)
+            return own, held
+
+        def a() -> None:
+            nonlocal released_by_others
+            own, held = acquire("A", 0.0)
+            _at(start, TTL + 0.3)  # works past its TTL: the lock is B's by now
+            recorder.released("A")
+            if isinstance(held, Lock):
+                try:
+                    held.release()
+                except LockNotOwnedError:
+                    recorder.note("A", "release refused", "the lock is not A's any more")
+            else:
+                naive.delete_release(own, NAME)
+            if client.get(NAME) is None and "B" in holders_now():
+                released_by_others += 1
+                recorder.note("A", "deleted B's lock")
+
+        def holders_now() -> set[str]:
+            held: set[str] = set()
+            for event in recorder.events:
+                if event.what == "acquired":
+                    held.add(event.client)
+                elif event.what == "released":
+                    held.discard(event.client)
+            return held
+
+        def b_or_c(who: str, at: float, works: float) -> None:
+            own, held = acquire(who, at)
+            if held is None:
+                return
+            time.sleep(works)
+            recorder.released(who)
+            if isinstance(held, Lock):
+                try:
+                    held.release()
+                except LockNotOwnedError:
+                    pass
+            else:
+                naive.delete_release(own, NAME)
+
+        threads = [
+            _in_thread(a),
+            _in_thread(b_or_c, "B", 0.1, 0.5),
+            _in_thread(b_or_c, "C", TTL + 0.35, 0.05),
+        ]
+        for thread in threads:
+            thread.join(30)
+        return recorder.outcome(released_by_others, most_holders=recorder.most_holders)
+
+
+class GetDelRace(Scenario):
+    name = "get-del-race"
+    measure = "locks released by a non-owner"
+    article = "pitfalls"
+    warning = "GET, compare, then DEL: the lock can change hands between the two commands"
+    explanation = (
+        "A checks the lock is its own, pauses (a GC pause, a slow network) while it expires and "
+        "B takes it, then deletes B's lock; the shop's release compares and deletes in one script"
+    )
+
+    def run(self, variant: Variant, redis_host: RedisHost) -> Outcome:
+        client = redis_host.client(socket_timeout=5)
+        recorder = Recorder()
+        start = time.monotonic()
+        released_by_others = 0
+        b_holds = threading.Event()
+
+        def pause() -> None:
+            _at(start, TTL + 0.2)  # the lock expires during the pause and B takes it
+
+        def a() -> None:
+            nonlocal released_by_others
+            lock = Lock(client, NAME, timeout=TTL)
+            lock.acquire()
+            token = lock.local.token.decode()
+            recorder.acquired("A")
+            time.sleep(TTL / 2)
+            recorder.released("A")
+            if variant == "naive":
+                naive.get_then_delete_release(client, NAME, token, pause)
+            else:
+                pause()
+                try:
+                    lock.release()
+                except LockNotOwnedError:
+                    recorder.note("A", "release refused", "the lock is B's now")
+            if b_holds.is_set() and client.get(NAME) is None:
+                released_by_others += 1
+                recorder.note("A", "deleted B's lock")
+
+        def b() -> None:
+            _at(start, 0.05)
+            lock = Lock(redis_host.client(socket_timeout=5), NAME, timeout=5.0)
+            if lock.acquire(blocking_timeout=3.0):
+                recorder.acquired("B")
+                b_holds.set()
+                _at(start, TTL + 0.6)
+                b_holds.clear()
+                recorder.released("B")
+                try:
+                    lock.release()
+                except LockNotOwnedError:
+                    recorder.note("B", "release refused", "its lock was deleted")
+
+        for thread in [_in_thread(a), _in_thread(b)]:
+            thread.join(30)
+        return recorder.outcome(released_by_others, most_holders=recorder.most_holders)
+
+
+class SetTimeoutSucceeded(Scenario):
+    name = "set-timeout-succeeded"
+    measure = "checkouts refused"
+    article = "own-lock"
+    warning = "a SET that timed out on the client may have succeeded: the retry meets its own lock"
+    explanation = (
+        "the SET's reply is lost: the naive retry finds the lock taken (by itself) and refuses "
+        "the checkout until the TTL frees it; the shop's lock reads the key back and finds its "
+        "own token"
+    )
+
+    def run(self, variant: Variant, redis_host: RedisHost) -> Outcome:
+        client = redis_host.client(socket_timeout=5)
+        recorder = Recorder()
+        ttl = 5.0
+        # The scripts are loaded first: the lost reply must be the take's, not a NOSCRIPT.
+        client.script_load(scripts.TAKE_OR_QUEUE)
+        with ReplyDroppingProxy(redis_host.port) as proxy:
+            through = redis.Redis(port=proxy.port, socket_timeout=0.25, retry=Retry(NoBackoff(), 0))
+            through.ping()
+            proxy.drop_next_reply()
+            if variant == "naive":
+                token = naive.spin_acquire(
+                    through, NAME, ttl_ms=int(ttl * 1000), wait_seconds=1.0, sleep_seconds=0.05
+                )
+                got = token is not None
+            else:
+                got = Lock(through, NAME, timeout=ttl).acquire(blocking_timeout=1.0)
+            dropped = proxy.dropped
+            through.close()
+        if got:
+            recorder.acquired("A", "the checkout goes on")
+        else:
+            recorder.note("A", "refused", "its own lock stands in its way")
+        return recorder.outcome(
+            int(not got),
+            replies_lost=dropped,
+            lock_left_for_seconds=round(client.pttl(NAME) / 1000, 2) if not got else 0,
+        )
+
+
+class _RoundTrips:
+    """Round trips to Redis, counted on the clients' side (a script is one, whatever it runs)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def client(self, port: int) -> redis.Redis:
+        trips = self
+
+        class Counted(redis.Redis):
+            def execute_command(self, *args: Any, **options: Any) -> Any:
+                with trips._lock:
+                    trips.count += 1
+                return super().execute_command(*args, **options)
+
+        return Counted(port=port, socket_timeout=5, retry=Retry(NoBackoff(), 0))
+
+
+class PollingHerd(Scenario):
+    name = "polling-herd"
+    kind = "cost"
+    measure = "round trips to Redis per acquisition"
+    article = "best-practice"
+    warning = "waiters that poll with sleep hammer Redis, and still wait longer than they need"
+    explanation = (
+        "10 buyers take one lock 20 times each (2 ms of work): a waiter polling every millisecond "
+        "sends a SET each time; the shop's waiters sleep in BLPOP until the release hands over"
+    )
+
+    BUYERS = 10
+    ROUNDS = 20
+
+    def run(self, variant: Variant, redis_host: RedisHost) -> Outcome:
+        recorder = Recorder()
+        trips = _RoundTrips()
+        waits: list[float] = []
+        guard = threading.Lock()
+
+        def buyer(who: str) -> None:
+            own = trips.client(redis_host.port)
+            own.ping()  # connected before the count matters
+            for _ in range(self.ROUNDS):
+                asked = time.monotonic()
+                release: Callable[[], object]
+                if variant == "naive":
+                    token = naive.spin_acquire(
+                        own, NAME, ttl_ms=5000, wait_seconds=30, sleep_seconds=0.001
+                    )
+                    release = partial(
+                        naive.get_then_delete_release, own, NAME, token or "", lambda: None
+                    )
+                else:
+                    lock = Lock(own, NAME, timeout=5)
+                    lock.acquire(blocking_timeout=30)
+                    release = lock.release
+                with guard:
+                    waits.append(time.monotonic() - asked)
+                recorder.acquired(who)
+                time.sleep(0.002)
+                recorder.released(who)
+                release()
+
+        start_count = trips.count
+        threads = [_in_thread(buyer, f"buyer {n}") for n in range(self.BUYERS)]
+        for thread in threads:
+            thread.join(120)
+        acquisitions = len(waits)
+        waits.sort()
+        return recorder.outcome(
+            round((trips.count - start_count - self.BUYERS) / acquisitions, 1),
+            round_trips=trips.count - start_count - self.BUYERS,
+            acquisitions=acquisitions,
+            wait_p50_ms=round(1000 * statistics.median(waits), 1),
+            wait_p99_ms=round(1000 * waits[int(0.99 * (len(waits) - 1))], 1),
+            most_holders=recorder.most_holders,
+        )

@@ -1,0 +1,103 @@
+"""The pitfall lab on real Redis servers of its own: every naive variant shows its damage, every
+fixed one none (a cost scenario: 3x cheaper), the same verdicts run after run, and the command
+says what is wrong with what it is asked."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+
+from pitfalls import lab
+from pitfalls.scenarios import ARTICLES, SCENARIOS
+from shop.processes.servers import PROJECT_DIR as ROOT
+from tests.conftest import server_env
+
+RUNS = 3
+
+
+def test_every_scenario_shows_the_damage_naively_and_none_the_shop_s_way_run_after_run():
+    verdicts = []
+    for _ in range(RUNS):
+        results = [lab.run(name) for name in SCENARIOS]
+        verdicts.append({result.scenario.name: result.verdict for result in results})
+        for result in results:
+            context = (result.scenario.name, result.naive.details, result.fixed.details)
+            if result.scenario.kind == "damage":
+                assert result.naive.damage > 0 and result.fixed.damage == 0, context
+            else:
+                assert result.fixed.damage <= result.naive.damage / 3, context
+            assert result.passed, context
+    assert verdicts == [dict.fromkeys(SCENARIOS, "pass")] * RUNS
+
+
+def test_a_run_tells_who_held_the_lock_when():
+    result = lab.run("expiry-mid-work")
+    naive = [(event.client, event.what) for event in result.naive.timeline]
+    # A took the lock, B took it too while A still worked, A found its lock gone
+    assert naive.index(("A", "acquired")) < naive.index(("B", "acquired"))
+    assert naive.index(("B", "acquired")) < naive.index(("A", "released"))
+    assert ("A", "lost") in naive
+    fixed = [(event.client, event.what) for event in result.fixed.timeline]
+    assert fixed.index(("A", "released")) < fixed.index(("B", "acquired"))
+    assert result.naive.details["most_holders"] == 2 and result.fixed.details["most_holders"] == 1
+
+
+@pytest.mark.embedded_smoke
+def test_pitfall_run_prints_the_table_and_json_and_exits_0_when_every_verdict_passes():
+    command = [sys.executable, "manage.py", "pitfall", "run", "get-del-race"]
+    table = subprocess.run(command, cwd=ROOT, env=server_env(), capture_output=True, text=True)
+    assert table.returncode == 0, table.stderr
+    assert "get-del-race" in table.stdout and "pass" in table.stdout
+    assert ARTICLES["pitfalls"] in table.stdout
+    as_json = subprocess.run(
+        [*command, "--json"], cwd=ROOT, env=server_env(), capture_output=True, text=True
+    )
+    (result,) = json.loads(as_json.stdout)["results"]
+    assert result["scenario"] == "get-del-race" and result["verdict"] == "pass"
+    assert result["naive"]["damage"] == 1 and result["fixed"]["damage"] == 0
+    assert {"at", "client", "what", "detail"} <= set(result["naive"]["timeline"][0])
+
+
+def test_pitfall_list_names_every_scenario_and_its_article():
+    from io import StringIO
+
+    out = StringIO()
+    call_command("pitfall", "list", stdout=out)
+    for scenario in SCENARIOS.values():
+        assert scenario.name in out.getvalue()
+        assert ARTICLES[scenario.article] in out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["no-such-scenario"], "no scenario 'no-such-scenario'"),
+        (["get-del-race", "--all"], "not both"),
+        ([], "name a scenario"),
+    ],
+)
+def test_pitfall_run_says_what_is_wrong_and_runs_nothing(arguments, message, monkeypatch):
+    ran = []
+    monkeypatch.setattr(lab, "run", ran.append)
+    with pytest.raises(CommandError, match=message):
+        call_command("pitfall", "run", *arguments)
+    assert ran == []
+
+
+def test_the_naive_code_is_reachable_from_the_lab_only():
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT).parts
+        if {"pitfalls", "tests"} & set(parts) or any(part.startswith(".") for part in parts):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom | ast.Import):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                names += [alias.name for alias in node.names]
+                assert not any(name.startswith("pitfalls") for name in names), Path(path)
