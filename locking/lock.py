@@ -137,6 +137,15 @@ class Lock:
       a ``BLPOP`` (waited again). A waiter whose ``acquire`` raised may still be queued
       until its entry goes stale; ``release()`` with its token withdraws it (and
       releases the lock if it was handed over meanwhile).
+    * ``replicas=N`` (requires ``timeout``): an acquisition counts only once N replicas
+      hold it. Right after taking the lock, one pipeline resets its TTL (a write of this
+      connection, after the take) and sends ``WAIT N`` for up to ``replica_timeout``
+      seconds. If fewer replicas acknowledge, ``acquire`` releases what it took (handing it
+      on, as a release does) and returns False, without trying again: a lock only the
+      primary holds is lost if the primary dies before replicating it, and a replica
+      promoted then grants it a second time. (Redis replication is asynchronous: this
+      narrows the window to a failover within ``replica_timeout`` of a lost replica, it
+      does not make the lock a consensus.)
     * The scripts derive the wake key of the next owner from the lock name inside Lua:
       they suit a single Redis, not a Redis Cluster.
     """
@@ -155,9 +164,17 @@ class Lock:
         watchdog: bool = False,
         on_lost: Callable[[Lock], object] | None = None,
         max_wait_slice: Number | None = None,
+        replicas: int = 0,
+        replica_timeout: Number = 0.1,
     ) -> None:
         if watchdog and not timeout:
             raise ValueError("watchdog=True needs a timeout: there is no TTL to renew")
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+            raise ValueError(f"replicas must be an int >= 0, got {replicas!r}")
+        if replicas and not timeout:
+            raise ValueError("replicas needs a timeout: the check rewrites the lock's TTL")
+        if replicas and replica_timeout <= 0:
+            raise ValueError("replica_timeout must be positive")
         if max_wait_slice is not None and max_wait_slice <= 0:
             raise ValueError("max_wait_slice must be positive")
         self.redis = redis
@@ -170,6 +187,8 @@ class Lock:
         self.raise_on_release_error = raise_on_release_error
         self.watchdog = watchdog
         self.on_lost = on_lost
+        self.replicas = replicas
+        self.replica_timeout = replica_timeout
         self.max_wait_slice = (
             float(max_wait_slice) if max_wait_slice is not None else _default_slice(redis)
         )
@@ -222,9 +241,25 @@ class Lock:
         and wait until a release hands it over (or the lock expires, then try again),
         until ``blocking_timeout`` seconds have passed. ``token`` (str or bytes) replaces
         the random uuid4 owner token. ``sleep`` is accepted for redis-py compatibility
-        and has no effect.
+        and has no effect. With ``replicas``, True also means that many replicas hold it.
         """
         del sleep  # waiting is driven by wakes, not by a poll interval
+        if not self._acquire(token, blocking, blocking_timeout):
+            return False
+        if self.replicas and not self._replicated():
+            try:
+                self.release()
+            except LockNotOwnedError:
+                pass  # it expired meanwhile: nothing of ours to give up
+            return False
+        return True
+
+    def _acquire(
+        self,
+        token: str | bytes | None,
+        blocking: bool | None,
+        blocking_timeout: Number | None,
+    ) -> bool:
         if token is None:
             token_bytes = uuid.uuid4().hex.encode()
         else:
@@ -274,6 +309,17 @@ class Lock:
                 # The release set the lock to our token before pushing our wake.
                 self._took(token_bytes)
                 return True
+
+    def _replicated(self) -> bool:
+        """Whether `replicas` replicas hold the lock we just took: a write of ours after the
+        take (the TTL set again, if the lock is still ours), then WAIT, on one connection."""
+        pipe = self.redis.pipeline(transaction=False)
+        self._extend_script(
+            keys=[self.name], args=[self.local.token, self._ttl_ms() or 0, "1"], client=pipe
+        )
+        pipe.wait(self.replicas, max(1, int(self.replica_timeout * 1000)))
+        ours, acknowledged = pipe.execute()
+        return bool(ours) and int(acknowledged) >= self.replicas
 
     def adopt(self, token: str | bytes) -> None:
         """Hold the lock as if ``acquire`` had just taken it with ``token``.

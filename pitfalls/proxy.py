@@ -1,5 +1,6 @@
-"""A TCP proxy in front of a Redis that can lose one reply: the command runs on the server, and
-the client never hears back (a reply lost to the network, or a client timeout too short)."""
+"""A TCP proxy in front of a Redis that can lose what it carries: one reply (the command runs on
+the server, the client never hears back), or everything from some moment on (a cut link, with
+the connections still open, as a network partition leaves them)."""
 
 from __future__ import annotations
 
@@ -8,20 +9,21 @@ import socket
 import threading
 
 
-class ReplyDroppingProxy:
+class LossyProxy:
     """Forwards every byte both ways between its clients and the Redis at `port`, except the
-    next reply after `drop_next_reply()`, which it throws away."""
+    next reply after `drop_next_reply()`, and everything after `cut()`."""
 
     def __init__(self, port: int) -> None:
         self.target = ("127.0.0.1", port)
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self._drop = threading.Event()
+        self._cut = threading.Event()
         self._sockets: list[socket.socket] = [self._listener]
         self._lock = threading.Lock()
         self.dropped = 0
 
-    def __enter__(self) -> ReplyDroppingProxy:
+    def __enter__(self) -> LossyProxy:
         threading.Thread(target=self._accept, daemon=True, name="proxy-accept").start()
         return self
 
@@ -34,13 +36,21 @@ class ReplyDroppingProxy:
     def drop_next_reply(self) -> None:
         self._drop.set()
 
+    def cut(self) -> None:
+        """From now on nothing gets through, either way; the connections stay open."""
+        self._cut.set()
+
     def _accept(self) -> None:
         while True:
             try:
                 downstream, _ = self._listener.accept()
             except OSError:
                 return  # closed
-            upstream = socket.create_connection(self.target)
+            try:
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                downstream.close()  # the server is gone: so is this connection
+                continue
             with self._lock:
                 self._sockets += [downstream, upstream]
             for source, sink, replies in (
@@ -54,6 +64,8 @@ class ReplyDroppingProxy:
     def _pump(self, source: socket.socket, sink: socket.socket, replies: bool) -> None:
         with contextlib.suppress(OSError):
             while data := source.recv(65536):
+                if self._cut.is_set():
+                    continue
                 if replies and self._drop.is_set():
                     self._drop.clear()
                     self.dropped += 1

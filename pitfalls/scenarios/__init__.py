@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from .base import ARTICLES, VARIANTS, Event, Outcome, Scenario, Variant
 from .locks import (
+    CoarseLock,
     ExpiryMidWork,
+    FailoverLosesLock,
     ForeignRelease,
     GetDelRace,
     PollingHerd,
@@ -21,6 +23,8 @@ SCENARIOS: dict[str, Scenario] = {
         GetDelRace(),
         SetTimeoutSucceeded(),
         PollingHerd(),
+        CoarseLock(),
+        FailoverLosesLock(),
     ]
 }
 

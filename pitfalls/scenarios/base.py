@@ -92,6 +92,10 @@ class RedisHost(Protocol):
         """A new client with connections of its own."""
         ...
 
+    def kill(self) -> None:
+        """SIGKILL the server (a scenario that shows a failover kills its primary)."""
+        ...
+
 
 class Scenario(ABC):
     """One failure mode the articles warn about, reproduced on demand.

@@ -12,6 +12,7 @@ import multiprocessing
 import statistics
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -21,10 +22,11 @@ from redis.backoff import NoBackoff
 from redis.exceptions import LockNotOwnedError
 from redis.retry import Retry
 
-from locking import Lock, scripts
+from locking import Lock, StockCounter, scripts
+from shop.processes.redis_server import RedisServer
 
 from .. import naive
-from ..proxy import ReplyDroppingProxy
+from ..proxy import LossyProxy
 from .base import Outcome, Recorder, RedisHost, Scenario, Variant
 
 NAME = "pitfall:item:42:lock"
@@ -301,7 +303,7 @@ class SetTimeoutSucceeded(Scenario):
         ttl = 5.0
         # The scripts are loaded first: the lost reply must be the take's, not a NOSCRIPT.
         client.script_load(scripts.TAKE_OR_QUEUE)
-        with ReplyDroppingProxy(redis_host.port) as proxy:
+        with LossyProxy(redis_host.port) as proxy:
             through = redis.Redis(port=proxy.port, socket_timeout=0.25, retry=Retry(NoBackoff(), 0))
             through.ping()
             proxy.drop_next_reply()
@@ -402,3 +404,134 @@ class PollingHerd(Scenario):
             wait_p99_ms=round(1000 * waits[int(0.99 * (len(waits) - 1))], 1),
             most_holders=recorder.most_holders,
         )
+
+
+class CoarseLock(Scenario):
+    name = "coarse-lock"
+    kind = "cost"
+    measure = "seconds to sell 100 units"
+    article = "timeout"
+    warning = "one lock per item serialises every sale: work inside it queues all buyers"
+    explanation = (
+        "10 buyers sell 100 units, 20 ms of work inside the lock each: one item lock sells one "
+        "at a time; ten shards, each its own counter and lock (one script picks a free shard "
+        "that holds the units and locks it), sell ten at a time"
+    )
+
+    BUYERS = 10
+    UNITS = 100
+    SHARDS = 10
+    WORK = 0.02
+
+    def run(self, variant: Variant, redis_host: RedisHost) -> Outcome:
+        client = redis_host.client(socket_timeout=5)
+        recorder = Recorder()
+        shards = 1 if variant == "naive" else self.SHARDS
+        counters = [f"pitfall:item:42:stock:{index}" for index in range(shards)]
+        locks = [f"{NAME}:{index}" for index in range(shards)]
+        client.mset({key: self.UNITS // shards for key in counters})
+        sold = 0
+        guard = threading.Lock()
+
+        def buyer(who: str, number: int) -> None:
+            nonlocal sold
+            own = redis_host.client(socket_timeout=5)
+            counter = StockCounter(own)
+            turn = number
+            while True:
+                token = uuid.uuid4().hex
+                row, levels = counter.lock_first_holding(
+                    counters, locks, 1, start=turn % shards, token=token, ttl_ms=5000
+                )
+                turn += 1
+                if row is None or (row == -1 and not any(levels)):
+                    return  # sold out
+                if row == -1:
+                    # every shard that holds a unit is busy: wait for one, as a buyer would
+                    lock = Lock(own, locks[turn % shards], timeout=5)
+                    if not lock.acquire(blocking_timeout=5):
+                        continue
+                    row = turn % shards
+                else:
+                    lock = Lock(own, locks[row], timeout=5)
+                    lock.adopt(token)
+                recorder.acquired(who, f"shard {row}")
+                if counter.take(counters[row], 1) >= 0:
+                    time.sleep(self.WORK)  # the work the lock guards
+                    with guard:
+                        sold += 1
+                recorder.released(who)
+                lock.release()
+
+        started = time.monotonic()
+        threads = [_in_thread(buyer, f"buyer {n}", n) for n in range(self.BUYERS)]
+        for thread in threads:
+            thread.join(120)
+        seconds = time.monotonic() - started
+        return recorder.outcome(
+            round(seconds, 2),
+            units_sold=sold,
+            shards=shards,
+            most_at_once=recorder.most_holders,
+            left=sum(level or 0 for level in StockCounter(client).get_many(counters)),
+        )
+
+
+def _replica_of(port: int) -> RedisServer:
+    """A replica of the Redis at `port`, started and synchronised."""
+    replica = RedisServer(args=["--replicaof", "127.0.0.1", str(port)]).start()
+    client = replica.client(socket_timeout=5)
+    deadline = time.monotonic() + 10
+    while client.info("replication").get("master_link_status") != "up":
+        if time.monotonic() > deadline:
+            replica.stop()
+            raise RuntimeError("the replica did not synchronise within 10 s")
+        time.sleep(0.02)
+    return replica
+
+
+class FailoverLosesLock(Scenario):
+    name = "failover-loses-lock"
+    measure = "holders at once beyond one"
+    article = "setnx-expire"
+    warning = "a lock the primary granted and never replicated is granted again by the replica"
+    explanation = (
+        "the link to the replica is cut, A takes the lock on the primary, the primary dies, the "
+        "replica is promoted and grants the lock to B: two holders. An acquire that WAITs for "
+        "the replica does not count a lock only the primary holds (A is refused, B alone holds)"
+    )
+
+    def run(self, variant: Variant, redis_host: RedisHost) -> Outcome:
+        recorder = Recorder()
+        replicas = 0 if variant == "naive" else 1
+        with LossyProxy(redis_host.port) as link:
+            replica = _replica_of(link.port)  # it replicates through the proxy
+            try:
+                primary = redis_host.client(socket_timeout=5)
+                promoted = replica.client(socket_timeout=5)
+                # With the replica in step, the WAITed acquire takes the lock as usual.
+                check = Lock(primary, f"{NAME}:check", timeout=5, replicas=replicas)
+                replicated_while_up = check.acquire(blocking=False)
+                if replicated_while_up:
+                    check.release()
+                link.cut()  # a partition: the replica hears nothing from now on
+                recorder.note("replica", "cut off")
+                a = Lock(primary, NAME, timeout=5, replicas=replicas, replica_timeout=0.2)
+                if a.acquire(blocking=False):
+                    recorder.acquired("A", "on the primary")
+                else:
+                    recorder.note("A", "refused", "no replica acknowledged the lock")
+                redis_host.kill()
+                recorder.note("primary", "died", "SIGKILL")
+                promoted.replicaof("NO", "ONE")
+                recorder.note("replica", "promoted")
+                b = Lock(promoted, NAME, timeout=5)
+                if b.acquire(blocking_timeout=2):
+                    recorder.acquired("B", "on the promoted replica")
+                return recorder.outcome(
+                    recorder.most_holders - 1,
+                    most_holders=recorder.most_holders,
+                    acquire_with_the_replica_up=replicated_while_up,
+                )
+            finally:
+                replica.stop()
