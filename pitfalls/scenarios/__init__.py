@@ -13,6 +13,7 @@ from .locks import (
     SetnxExpireGap,
     SetTimeoutSucceeded,
 )
+from .sales import LostUpdate, RedisDown
 
 SCENARIOS: dict[str, Scenario] = {
     scenario.name: scenario
@@ -25,6 +26,8 @@ SCENARIOS: dict[str, Scenario] = {
         PollingHerd(),
         CoarseLock(),
         FailoverLosesLock(),
+        LostUpdate(),
+        RedisDown(),
     ]
 }
 

@@ -124,6 +124,9 @@ class Scenario(ABC):
     warning: ClassVar[str]
     #: What goes wrong, and what the fix changes, in one line.
     explanation: ClassVar[str]
+    #: Whether it sells through the shop's strategies, in the database (the command runs it in
+    #: the load-run sandbox, beside the shop's database).
+    needs_database: ClassVar[bool] = False
 
     @abstractmethod
     def run(self, variant: Variant, redis_host: RedisHost) -> Outcome:

@@ -21,6 +21,8 @@ from tests.conftest import server_env
 
 RUNS = 3
 
+pytestmark = pytest.mark.django_db(transaction=True)
+
 
 def test_every_scenario_shows_the_damage_naively_and_none_the_shop_s_way_run_after_run():
     verdicts = []
@@ -63,6 +65,20 @@ def test_pitfall_run_prints_the_table_and_json_and_exits_0_when_every_verdict_pa
     assert result["scenario"] == "get-del-race" and result["verdict"] == "pass"
     assert result["naive"]["damage"] == 1 and result["fixed"]["damage"] == 0
     assert {"at", "client", "what", "detail"} <= set(result["naive"]["timeline"][0])
+
+
+def test_a_scenario_that_sells_does_so_in_the_load_run_sandbox_not_the_shop_s_database():
+    from inventory.models import Item
+
+    command = [sys.executable, "manage.py", "pitfall", "run", "redis-down", "--json"]
+    run = subprocess.run(command, cwd=ROOT, env=server_env(), capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "load-run sandbox" in run.stderr
+    (result,) = json.loads(run.stdout)["results"]
+    assert result["naive"]["damage"] == 10 and result["fixed"]["damage"] == 0
+    assert result["fixed"]["details"]["served_by_the_fallback"] == 10
+    for variant in ("naive", "fixed"):
+        assert not Item.objects.filter(sku=result[variant]["details"]["sku"]).exists()
 
 
 def test_pitfall_list_names_every_scenario_and_its_article():

@@ -1,0 +1,156 @@
+"""Failure modes of a whole sale: the strategies' own code against a Redis of the run's own and
+the database (`manage.py pitfall` runs these in the load-run sandbox, beside the shop's).
+
+A checkout here is the strategy's `take` with the shop's sale statement, as `place_order` runs
+it, without the HTTP request around it and without handing the order to the workers: the lab
+sells to nobody, its orders stay pending in the sandbox.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from django.db import connection
+from django.test.utils import override_settings
+
+from inventory.breaker import breaker
+from inventory.exceptions import Busy, SoldOut
+from inventory.models import Item, Order
+from inventory.redis_client import REDIS_DOWN_ERRORS
+from inventory.services import start_sale
+from inventory.stock import SaleRecorder
+from inventory.strategies import get_strategy
+from inventory.strategies.base import StockStrategy
+from inventory.strategies.lua import LuaStrategy
+
+from .base import Outcome, Recorder, RedisHost, Scenario, Variant
+
+
+@contextmanager
+def _shop_on(redis_host: RedisHost, **settings: object) -> Iterator[None]:
+    """The shop's code talks to the run's Redis, gives up on it fast, and forgets, afterwards,
+    that it was ever down."""
+    overrides = {
+        "REDIS_URL": f"redis://127.0.0.1:{redis_host.port}/0",
+        "FLASHSALE_REDIS_TIMEOUT": 0.2,
+        "FLASHSALE_REDIS_CONNECT_TIMEOUT": 0.2,
+        **settings,
+    }
+    breaker.reset()
+    try:
+        with override_settings(**overrides):
+            yield
+    finally:
+        breaker.reset()
+
+
+def _checkout(strategy: StockStrategy, sku: str, buyer: str) -> Order:
+    item = Item.objects.get(sku=sku)
+    return strategy.take(item=item, qty=1, record=SaleRecorder(item=item, qty=1, buyer=buyer))
+
+
+def _sku(scenario: str, variant: Variant) -> str:
+    return f"pitfall-{scenario}-{variant}-{uuid.uuid4().hex[:8]}"
+
+
+class LostUpdate(Scenario):
+    name = "lost-update"
+    measure = "lost updates"
+    article = "timeout"
+    warning = "read the stock, decide, write it back: concurrent buyers overwrite each other"
+    explanation = (
+        "8 buyers take 50 units: `unsafe` reads the stock, waits 5 ms and writes back what it "
+        "read minus one, so overlapping buyers sell units the stock never goes down by; `lock` "
+        "takes the item's lock and a guarded decrement (stock >= qty) in one statement"
+    )
+    needs_database = True
+
+    STOCK = 50
+    BUYERS = 8
+
+    def run(self, variant: Variant, redis_host: RedisHost) -> Outcome:
+        recorder = Recorder()
+        strategy_name = "unsafe" if variant == "naive" else "lock"
+        sku = _sku(self.name, variant)
+        with _shop_on(redis_host, FLASHSALE_UNSAFE_DELAY_MS=5):
+            start_sale(sku=sku, stock=self.STOCK, strategy=strategy_name)
+            strategy = get_strategy(strategy_name)
+
+            def buyer(who: str) -> None:
+                try:
+                    for number in range(self.STOCK):
+                        try:
+                            _checkout(strategy, sku, f"{who}-{number}")
+                        except Busy:
+                            continue
+                        except SoldOut:
+                            return
+                        recorder.note(who, "sold")
+                finally:
+                    connection.close()
+
+            threads = [
+                threading.Thread(target=buyer, args=(f"buyer {n}",)) for n in range(self.BUYERS)
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(120)
+        item = Item.objects.get(sku=sku)
+        accepted = Order.objects.filter(item=item).count()
+        went_down_by = self.STOCK - item.units_left
+        return recorder.outcome(
+            accepted - went_down_by,
+            strategy=strategy_name,
+            stock=self.STOCK,
+            accepted=accepted,
+            stock_went_down_by=went_down_by,
+            sku=sku,
+        )
+
+
+class RedisDown(Scenario):
+    name = "redis-down"
+    measure = "checkouts failed"
+    article = "timeout"
+    warning = "when Redis dies mid-sale, a shop that only knows Redis stops selling"
+    explanation = (
+        "Redis is killed after 10 of 20 checkouts: `lua` alone fails every checkout after it; "
+        "the shop's `lua` (wrapped with the database fallback) serves them through `optimistic`"
+    )
+    needs_database = True
+
+    CHECKOUTS = 20
+
+    def run(self, variant: Variant, redis_host: RedisHost) -> Outcome:
+        recorder = Recorder()
+        sku = _sku(self.name, variant)
+        failed = fallback = 0
+        with _shop_on(redis_host, FLASHSALE_BREAKER_PROBE_SECONDS=60):
+            start_sale(sku=sku, stock=100, strategy="lua")
+            strategy = LuaStrategy() if variant == "naive" else get_strategy("lua")
+            for number in range(self.CHECKOUTS):
+                if number == self.CHECKOUTS // 2:
+                    redis_host.kill()
+                    recorder.note("redis", "died", "SIGKILL")
+                try:
+                    order = _checkout(strategy, sku, f"buyer-{number}")
+                except REDIS_DOWN_ERRORS as exc:
+                    failed += 1
+                    recorder.note(f"buyer {number}", "failed", exc.__class__.__name__)
+                    continue
+                fallback += order.fallback
+                recorder.note(
+                    f"buyer {number}", "sold", "by the database fallback" if order.fallback else ""
+                )
+        item = Item.objects.get(sku=sku)
+        return recorder.outcome(
+            failed,
+            checkouts=self.CHECKOUTS,
+            sold=Order.objects.filter(item=item).count(),
+            served_by_the_fallback=fallback,
+            sku=sku,
+        )
