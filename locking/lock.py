@@ -76,6 +76,16 @@ class _Lease:
         self.state_lock = threading.Lock()
 
 
+class _Reentries(threading.local):
+    """This thread's reentrant holds: (client's pool, lock name) -> [token, times taken]."""
+
+    def __init__(self) -> None:
+        self.held: dict[tuple[int, str], list[Any]] = {}
+
+
+_reentries = _Reentries()
+
+
 class _ThreadState(threading.local):
     """Per-thread token and lease; the class attributes are every new thread's defaults."""
 
@@ -146,6 +156,13 @@ class Lock:
       promoted then grants it a second time. (Redis replication is asynchronous: this
       narrows the window to a failover within ``replica_timeout`` of a lost replica, it
       does not make the lock a consensus.)
+    * ``reentrant=True``: a thread that holds the lock (through any reentrant ``Lock`` of the
+      same name on the same client) takes it again at once, a count going up, instead of
+      waiting for itself; each ``release`` takes one off, and the lock is released when the
+      count is back at 0. Taking it again checks, in one round trip, that the lock is still
+      this thread's (and resets its TTL); if it is not (it expired), the acquisition starts
+      afresh. Release in the reverse order of acquisition: the first acquisition's watchdog
+      keeps the lock for all of them.
     * The scripts derive the wake key of the next owner from the lock name inside Lua:
       they suit a single Redis, not a Redis Cluster.
     """
@@ -166,6 +183,7 @@ class Lock:
         max_wait_slice: Number | None = None,
         replicas: int = 0,
         replica_timeout: Number = 0.1,
+        reentrant: bool = False,
     ) -> None:
         if watchdog and not timeout:
             raise ValueError("watchdog=True needs a timeout: there is no TTL to renew")
@@ -189,6 +207,9 @@ class Lock:
         self.on_lost = on_lost
         self.replicas = replicas
         self.replica_timeout = replica_timeout
+        self.reentrant = reentrant
+        # Locks of one name on one client are the same lock to a thread taking it again.
+        self._reentry_key = (id(redis.connection_pool), name)
         self.max_wait_slice = (
             float(max_wait_slice) if max_wait_slice is not None else _default_slice(redis)
         )
@@ -244,6 +265,8 @@ class Lock:
         and has no effect. With ``replicas``, True also means that many replicas hold it.
         """
         del sleep  # waiting is driven by wakes, not by a poll interval
+        if self.reentrant and self._take_again():
+            return True
         if not self._acquire(token, blocking, blocking_timeout):
             return False
         if self.replicas and not self._replicated():
@@ -252,6 +275,26 @@ class Lock:
             except LockNotOwnedError:
                 pass  # it expired meanwhile: nothing of ours to give up
             return False
+        if self.reentrant:
+            _reentries.held[self._reentry_key] = [self.local.token, 1]
+        return True
+
+    def _take_again(self) -> bool:
+        """Whether this thread holds the lock already (then it is taken once more)."""
+        held = _reentries.held.get(self._reentry_key)
+        if held is None:
+            return False
+        token = held[0]
+        still_ours = (
+            self._pexpire(token, self._ttl_ms() or 0, True)
+            if self.timeout
+            else self._is_token(self.redis.get(self.name), token)
+        )
+        if not still_ours:
+            del _reentries.held[self._reentry_key]  # it expired: take it afresh
+            return False
+        held[1] += 1
+        self.local.token = token
         return True
 
     def _acquire(
@@ -468,6 +511,13 @@ class Lock:
                 lock_name=self.name,
             )
         self.local.token = None
+        if self.reentrant:
+            held = _reentries.held.get(self._reentry_key)
+            if held is not None and held[0] == expected:
+                held[1] -= 1
+                if held[1] > 0:
+                    return  # taken more than once: still held
+                del _reentries.held[self._reentry_key]
         self._stop_watchdog()
         released = self._release_script(
             keys=[self.name, self.queue_name, self.waiters_name],

@@ -10,6 +10,7 @@ from .locks import (
     ForeignRelease,
     GetDelRace,
     PollingHerd,
+    ReentrantDeadlock,
     SetnxExpireGap,
     SetTimeoutSucceeded,
 )
@@ -26,6 +27,7 @@ SCENARIOS: dict[str, Scenario] = {
         PollingHerd(),
         CoarseLock(),
         FailoverLosesLock(),
+        ReentrantDeadlock(),
         LostUpdate(),
         RedisDown(),
     ]

@@ -535,3 +535,38 @@ class FailoverLosesLock(Scenario):
                 )
             finally:
                 replica.stop()
+
+
+class ReentrantDeadlock(Scenario):
+    name = "reentrant-deadlock"
+    measure = "checkouts failed"
+    article = "best-practice"
+    warning = "a lock that is not reentrant deadlocks on itself when methodA calls methodB"
+    explanation = (
+        "methodA takes the item's lock and calls methodB, which takes the same lock: it waits "
+        "for its own holder until it gives up (forever, without a wait limit); a reentrant lock "
+        "counts the second acquisition of the same thread and releases at the last release"
+    )
+
+    def run(self, variant: Variant, redis_host: RedisHost) -> Outcome:
+        client = redis_host.client(socket_timeout=5)
+        recorder = Recorder()
+        reentrant = variant == "fixed"
+
+        def method_b() -> bool:
+            lock = Lock(client, NAME, timeout=5, reentrant=reentrant)
+            if not lock.acquire(blocking_timeout=1.0):
+                recorder.note("methodB", "refused", "waited 1 s for its own caller's lock")
+                return False
+            recorder.note("methodB", "acquired", "again, in the same thread")
+            lock.release()
+            recorder.note("methodB", "released")
+            return True
+
+        outer = Lock(client, NAME, timeout=5, reentrant=reentrant)
+        outer.acquire()
+        recorder.acquired("methodA")
+        done = method_b()
+        recorder.released("methodA")
+        outer.release()
+        return recorder.outcome(int(not done), lock_left=client.exists(NAME))

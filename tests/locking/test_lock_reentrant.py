@@ -1,0 +1,78 @@
+"""`Lock(reentrant=True)`: the thread that holds a lock takes it again instead of waiting for
+itself (the articles' methodA -> methodB), counted, released when the count is back at 0."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from locking import Lock
+
+
+def test_a_holder_takes_its_lock_again_and_keeps_it_until_the_last_release(r, prefix):
+    name = prefix + "item:lock"
+    outer = Lock(r, name, timeout=5, reentrant=True)
+    assert outer.acquire(blocking=False)
+    token = r.get(name)
+
+    # methodB, with a Lock of its own for the same name: taken again at once, same owner
+    inner = Lock(r, name, timeout=5, reentrant=True)
+    asked = time.monotonic()
+    assert inner.acquire(blocking_timeout=2)
+    assert time.monotonic() - asked < 0.5
+    assert r.get(name) == token and inner.owned()
+
+    # nobody else gets it while either holds it
+    other = threading.Thread(target=lambda: seen.append(Lock(r, name).acquire(blocking=False)))
+    seen: list[bool] = []
+    other.start()
+    other.join()
+    assert seen == [False]
+
+    inner.release()
+    assert r.get(name) == token  # still held: the outer holds it
+    outer.release()
+    assert r.get(name) is None
+
+
+def test_taking_it_again_resets_its_time_to_live(r, prefix):
+    name = prefix + "item:lock"
+    outer = Lock(r, name, timeout=1, reentrant=True)
+    outer.acquire()
+    r.pexpire(name, 100)
+    Lock(r, name, timeout=1, reentrant=True).acquire()
+    assert 900 < r.pttl(name) <= 1000
+
+
+def test_another_thread_is_not_the_owner(r, prefix):
+    name = prefix + "item:lock"
+    outer = Lock(r, name, timeout=5, reentrant=True)
+    outer.acquire()
+    answers: list[bool] = []
+    thread = threading.Thread(
+        target=lambda: answers.append(
+            Lock(r, name, timeout=5, reentrant=True).acquire(blocking_timeout=0.3)
+        )
+    )
+    thread.start()
+    thread.join()
+    assert answers == [False]
+    outer.release()
+
+
+def test_a_lock_that_expired_is_taken_afresh_not_again(r, prefix):
+    name = prefix + "item:lock"
+    outer = Lock(r, name, timeout=5, reentrant=True)
+    outer.acquire()
+    r.delete(name)  # it expired, say
+    Lock(r, name, timeout=5).acquire()  # and someone else took it
+    inner = Lock(r, name, timeout=5, reentrant=True)
+    assert not inner.acquire(blocking_timeout=0.3)  # not this thread's any more: it waits
+
+
+def test_without_reentrant_a_holder_waits_for_itself(r, prefix):
+    name = prefix + "item:lock"
+    Lock(r, name, timeout=5).acquire()
+    asked = time.monotonic()
+    assert not Lock(r, name, timeout=5).acquire(blocking_timeout=0.3)
+    assert time.monotonic() - asked >= 0.3
