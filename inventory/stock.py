@@ -131,7 +131,7 @@ def sell(order: SaleRecorder, allocation: Allocation) -> Sold | None:
     units it would take belong to another sale).
 
     `set_stock` replaces the item row's guarded decrement by an absolute, unguarded write: the
-    lost update that `unsafe` and the lock's pitfall toggle demonstrate.
+    lost update that `unsafe` and the pitfall lab's trust-the-lock demonstrate.
 
     Raises IntegrityError when the allowance would pass the limit (constraint
     `allowance_within_limit`) or the idempotency key is taken, and RowLockTimeout when a row

@@ -1,9 +1,10 @@
 """The lock code the articles warn about, kept here to show what it does.
 
 Nothing outside the pitfall lab imports this module, and no checkout can reach it: the shop's
-lock is `locking.Lock`. Each function is one of the hand-written locks the articles take apart,
-with the hook a scenario needs to force the interleaving that breaks it (`between`: called
-between two commands that should have been one).
+lock is `locking.Lock`, and its `lock` strategy writes through the guarded sale statement. Each
+function is one of the hand-written locks the articles take apart, with the hook a scenario
+needs to force the interleaving that breaks it (`between`: called between two commands that
+should have been one); `TrustingLockStrategy` is `lock` writing back the stock it read.
 """
 
 from __future__ import annotations
@@ -13,6 +14,15 @@ import uuid
 from collections.abc import Callable
 
 import redis
+from django.conf import settings
+
+from inventory import keys
+from inventory.exceptions import Busy, SoldOut
+from inventory.models import Item, Order
+from inventory.stock import read_stock, simulate_work
+from inventory.strategies.base import Allocation, RecordOrder
+from inventory.strategies.lock import LockStrategy
+from inventory.strategies.plumbing import acquire_lock, new_lock, release_quietly
 
 
 def setnx_then_expire(
@@ -66,3 +76,27 @@ def get_then_delete_release(
     between()
     client.delete(name)
     return True
+
+
+class TrustingLockStrategy(LockStrategy):
+    """`lock` that trusts its lock: under it, it reads the stock and writes back what it read
+    minus the quantity, an absolute value with no guard. Correct only while the lock never
+    expires under a holder that still works."""
+
+    def take(self, *, item: Item, qty: int, record: RecordOrder) -> Order:
+        lock = new_lock(keys.item_lock(item))
+        if not acquire_lock(lock):
+            raise Busy(
+                f"{item.sku}: lock still held", retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER
+            )
+        try:
+            seen = read_stock(item.pk).stock
+            if seen < qty:
+                raise SoldOut(sku=item.sku, requested=qty, remaining=seen)
+            simulate_work()
+            sold = record(Allocation(strategy=self.name, set_stock=seen - qty))
+        finally:
+            release_quietly(lock)
+        if sold is None:
+            raise RuntimeError(f"{item.sku}: the unguarded write was refused")
+        return sold.order

@@ -221,7 +221,6 @@ FLASHSALE_LOCK_WATCHDOG = env.bool("FLASHSALE_LOCK_WATCHDOG", default=True)
 FLASHSALE_LOCK_FACTORY = env.str("FLASHSALE_LOCK_FACTORY", default="locking.Lock")
 # Pitfall toggle: False makes `lock` write back the stock it read instead of a version-checked
 # UPDATE, which oversells as soon as a lock expires mid-work. Never turn off outside a demo.
-FLASHSALE_LOCK_GUARDED_WRITE = env.bool("FLASHSALE_LOCK_GUARDED_WRITE", default=True)
 # Optimistic: how many version-checked attempts before answering busy.
 FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS = env.int("FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS", default=20)
 # ...after which one attempt queues for the item's row lock, at most this long (ms).

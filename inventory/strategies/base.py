@@ -71,7 +71,7 @@ class StockStrategy(ABC):
       write the order, returning that order once committed; or it takes nothing and raises;
     - the write is guarded (`stock >= qty`, a version check, shard guards), so no interleaving,
       expired lock or stale Redis counter makes it sell a unit the database does not hold;
-      only `unsafe` (and the lock's pitfall toggle) asks for an unguarded write, on purpose;
+      only `unsafe` (and the pitfall lab's naive code) asks for an unguarded write, on purpose;
     - `SoldOut` when fewer than qty units are left, `Busy` when contention outlasted the wait;
     - a Redis connection or timeout error escapes only while nothing is committed, so that a
       fallback may serve the same checkout; after commit Redis failures are absorbed;

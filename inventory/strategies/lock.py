@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from django.conf import settings
 
-from locking import Lock
-
 from .. import keys
 from ..exceptions import Busy, SoldOut
 from ..models import Item, Order
-from ..stock import Sold, read_stock, simulate_work
+from ..stock import read_stock, simulate_work
 from .base import Allocation, RecordOrder, StockStrategy
 from .plumbing import acquire_lock, ensure_still_held, new_lock, release_quietly
 
@@ -45,12 +43,9 @@ class LockStrategy(StockStrategy):
                 retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
             )
         try:
-            if settings.FLASHSALE_LOCK_GUARDED_WRITE:
-                simulate_work()
-                ensure_still_held(lock, item.sku)
-                sold = record(Allocation(strategy=self.name))
-            else:
-                sold = self._take_unguarded(item, qty, record, lock)
+            simulate_work()
+            ensure_still_held(lock, item.sku)
+            sold = record(Allocation(strategy=self.name))
         finally:
             release_quietly(lock)
         if sold is None:
@@ -59,15 +54,3 @@ class LockStrategy(StockStrategy):
         if sold.item_stock is not None:
             item.stock = sold.item_stock  # what a checkout using this item read next will see
         return sold.order
-
-    def _take_unguarded(self, item: Item, qty: int, record: RecordOrder, lock: Lock) -> Sold | None:
-        """Pitfall toggle: trust the lock and write back what was read, as naive code does.
-
-        Once a lock expires mid-work, two holders overlap and it oversells.
-        """
-        seen = read_stock(item.pk)
-        if seen.stock < qty:
-            raise SoldOut(sku=item.sku, requested=qty, remaining=seen.stock)
-        simulate_work()
-        ensure_still_held(lock, item.sku)
-        return record(Allocation(strategy=self.name, set_stock=seen.stock - qty))

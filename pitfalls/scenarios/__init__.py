@@ -14,7 +14,7 @@ from .locks import (
     SetnxExpireGap,
     SetTimeoutSucceeded,
 )
-from .sales import LostUpdate, RedisDown
+from .sales import LostUpdate, RedisDown, TrustTheLock
 
 SCENARIOS: dict[str, Scenario] = {
     scenario.name: scenario
@@ -28,6 +28,7 @@ SCENARIOS: dict[str, Scenario] = {
         CoarseLock(),
         FailoverLosesLock(),
         ReentrantDeadlock(),
+        TrustTheLock(),
         LostUpdate(),
         RedisDown(),
     ]

@@ -26,6 +26,7 @@ from inventory.strategies import get_strategy
 from inventory.strategies.base import StockStrategy
 from inventory.strategies.lua import LuaStrategy
 
+from .. import naive
 from .base import Outcome, Recorder, RedisHost, Scenario, Variant
 
 
@@ -152,5 +153,67 @@ class RedisDown(Scenario):
             checkouts=self.CHECKOUTS,
             sold=Order.objects.filter(item=item).count(),
             served_by_the_fallback=fallback,
+            sku=sku,
+        )
+
+
+class TrustTheLock(Scenario):
+    name = "trust-the-lock"
+    measure = "units oversold"
+    article = "timeout"
+    warning = "a write that trusts the lock oversells as soon as a lock expires under its holder"
+    explanation = (
+        "6 buyers take 12 units, each holding the item's lock 80 ms while it lives 25 ms (no "
+        "watchdog): holders overlap; writing back the stock read under the lock sells units "
+        "twice, the shop's guarded decrement (stock >= qty) refuses them, watchdog or not"
+    )
+    needs_database = True
+
+    STOCK = 12
+    BUYERS = 6
+
+    def run(self, variant: Variant, redis_host: RedisHost) -> Outcome:
+        recorder = Recorder()
+        sku = _sku(self.name, variant)
+        busy = 0
+        guard = threading.Lock()
+        with _shop_on(
+            redis_host,
+            FLASHSALE_LOCK_TTL_MS=25,
+            FLASHSALE_HOLD_DELAY_MS=80,
+            FLASHSALE_LOCK_WATCHDOG=False,
+        ):
+            start_sale(sku=sku, stock=self.STOCK, strategy="lock")
+            strategy = naive.TrustingLockStrategy() if variant == "naive" else get_strategy("lock")
+
+            def buyer(who: str) -> None:
+                nonlocal busy
+                try:
+                    for number in range(10 * self.STOCK):
+                        try:
+                            _checkout(strategy, sku, f"{who}-{number}")
+                        except Busy:
+                            with guard:
+                                busy += 1
+                            continue
+                        except SoldOut:
+                            return
+                        recorder.note(who, "sold")
+                finally:
+                    connection.close()
+
+            threads = [
+                threading.Thread(target=buyer, args=(f"buyer {n}",)) for n in range(self.BUYERS)
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(120)
+        accepted = Order.objects.filter(item__sku=sku).count()
+        return recorder.outcome(
+            max(0, accepted - self.STOCK),
+            stock=self.STOCK,
+            accepted=accepted,
+            busy=busy,
             sku=sku,
         )
