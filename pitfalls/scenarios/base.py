@@ -77,6 +77,11 @@ class Recorder:
             self.events.append(Event(self.now_ms(), client, "released", detail))
             self._holding.discard(client)
 
+    def holding(self) -> set[str]:
+        """The clients that believe, now, that they hold the lock."""
+        with self._lock:
+            return set(self._holding)
+
     def outcome(self, damage: float, **details: Any) -> Outcome:
         with self._lock:
             return Outcome(damage, details, sorted(self.events, key=lambda event: event.at))

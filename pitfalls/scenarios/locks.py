@@ -190,18 +190,9 @@ class ForeignRelease(Scenario):
                     recorder.note("A", "release refused", "the lock is not A's any more")
             else:
                 naive.delete_release(own, NAME)
-            if client.get(NAME) is None and "B" in holders_now():
+            if client.get(NAME) is None and "B" in recorder.holding():
                 released_by_others += 1
                 recorder.note("A", "deleted B's lock")
-
-        def holders_now() -> set[str]:
-            held: set[str] = set()
-            for event in recorder.events:
-                if event.what == "acquired":
-                    held.add(event.client)
-                elif event.what == "released":
-                    held.discard(event.client)
-            return held
 
         def b_or_c(who: str, at: float, works: float) -> None:
             own, held = acquire(who, at)
