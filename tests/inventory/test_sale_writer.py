@@ -219,6 +219,9 @@ def test_the_writer_refuses_bad_requests_and_takes_nothing(writer_in_thread, lin
 
 
 def test_sale_writer_command_says_what_is_wrong(writer_in_thread, settings):
+    import signal
+
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     settings.FLASHSALE_SALE_WRITER = ""
     with pytest.raises(CommandError, match="name the socket"):
         call_command("sale", "writer")
@@ -226,6 +229,8 @@ def test_sale_writer_command_says_what_is_wrong(writer_in_thread, settings):
         call_command("sale", "writer", "--socket", writer_in_thread.path)
     with pytest.raises(CommandError, match="sale writer:"):
         call_command("sale", "writer", "--socket", "/nonexistent-dir/writer.sock")
+    # and the signal handlers it set while it ran are the caller's again
+    assert {signum: signal.getsignal(signum) for signum in handlers} == handlers
 
 
 def test_redis_down_under_the_writer_sends_checkouts_to_the_fallback(settings):

@@ -133,18 +133,22 @@ class Command(BaseCommand):
         path = options["socket"] or settings.FLASHSALE_SALE_WRITER
         if not path:
             raise CommandError("name the socket: --socket PATH, or set FLASHSALE_SALE_WRITER")
-        try:
-            writer = SaleWriter(path)
-        except ValueError as error:
-            raise CommandError(str(error)) from None
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: writer.stop())
+        writer = SaleWriter(path)
+        # SIGTERM and Ctrl-C stop it (what it has taken, it writes first); the handlers it
+        # replaces are back once it stops, for a caller that runs this command in-process.
+        previous = {
+            signum: signal.signal(signum, lambda *_: writer.stop())
+            for signum in (signal.SIGTERM, signal.SIGINT)
+        }
         try:
             writer.serve_forever(
                 ready=lambda: self.stdout.write(f"sale writer listening on {path}")
             )
         except (OSError, RuntimeError) as error:
             raise CommandError(f"sale writer: {error}") from None
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
         stats = writer.stats()
         self.stdout.write(
             f"sale writer stopped: {stats['sales']} sales in {stats['batches']} batches"
