@@ -116,6 +116,20 @@ class WriterClient:
             held[1].close()
 
 
+def writer_stats(path: str, timeout: float = 5.0) -> dict[str, Any]:
+    """What the writer on `path` has done (`SaleWriter.stats`), over a connection of its own.
+    Raises OSError when nobody answers there."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        sock.sendall(_line({"op": "stats"}))
+        with sock.makefile("rb") as reader:
+            raw = reader.readline(MAX_LINE)
+    if not raw.endswith(b"\n"):
+        raise ConnectionError(f"sale writer at {path} closed the connection")
+    return json.loads(raw)
+
+
 _clients: dict[tuple[int, str], WriterClient] = {}
 
 

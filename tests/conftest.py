@@ -8,6 +8,8 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 from urllib.parse import quote
 
 import pytest
@@ -136,18 +138,28 @@ def _socket_path() -> str:
     return os.path.join(tempfile.gettempdir(), f"flashsale-test-writer-{uuid.uuid4().hex}.sock")
 
 
-@pytest.fixture
-def writer_in_thread(settings):
-    """A sale writer in a thread of the test process; its checkouts send their sales there."""
+@contextmanager
+def writer_in_thread(path: str | None = None) -> Iterator[Any]:
+    """A sale writer serving `path` (default: a new socket) in a thread of the test process,
+    stopped and joined afterwards."""
     from inventory.writer import SaleWriter
 
-    writer = SaleWriter(_socket_path())
+    writer = SaleWriter(path or _socket_path())
     ready = threading.Event()
     thread = threading.Thread(target=writer.serve_forever, kwargs={"ready": ready.set})
     thread.start()
-    assert ready.wait(10)
-    settings.FLASHSALE_SALE_WRITER = writer.path
-    yield writer
-    writer.stop()
-    thread.join(10)
+    try:
+        assert ready.wait(10)
+        yield writer
+    finally:
+        writer.stop()
+        thread.join(10)
     assert not thread.is_alive()
+
+
+@pytest.fixture(name="writer_in_thread")
+def writer_in_thread_fixture(settings):
+    """A sale writer in a thread of the test process; its checkouts send their sales there."""
+    with writer_in_thread() as writer:
+        settings.FLASHSALE_SALE_WRITER = writer.path
+        yield writer

@@ -187,14 +187,7 @@ class LuaStrategy(StockStrategy):
             answer = self._settle(item, group, queued)
             outcome = answer["o"]
             if outcome == "sold":
-                sold = record.sold(
-                    order_id=answer["id"],
-                    public_id=request["public_id"],
-                    served_by=self.name,
-                    shard_units=queued.taken,
-                    placed_at=datetime.fromisoformat(answer["at"]),
-                )
-                return sold.order
+                return self._committed_order(record, request, answer, queued.taken)
             if outcome == "short":
                 self._resync(item)  # Redis granted units the database does not hold
                 continue
@@ -247,14 +240,7 @@ class LuaStrategy(StockStrategy):
             taken = {int(index): units for index, units in answer["rows"].items()}
             outcome = answer["o"]
             if outcome == "sold":
-                sold = record.sold(
-                    order_id=answer["id"],
-                    public_id=request["sale"]["public_id"],
-                    served_by=self.name,
-                    shard_units=taken,
-                    placed_at=datetime.fromisoformat(answer["at"]),
-                )
-                return sold.order
+                return self._committed_order(record, request["sale"], answer, taken)
             if outcome == "short":
                 self._resync(item)  # Redis granted units the database does not hold
                 continue
@@ -265,6 +251,22 @@ class LuaStrategy(StockStrategy):
                 )
             self._refuse(item, taken, outcome)
         return self._refused(item, qty, record)
+
+    def _committed_order(
+        self,
+        record: RecordOrder,
+        sale: dict[str, Any],
+        answer: dict[str, Any],
+        taken: dict[int, int],
+    ) -> Order:
+        """The order a batch committed for this checkout (`sale`: the request it was sent)."""
+        return record.sold(
+            order_id=answer["id"],
+            public_id=sale["public_id"],
+            served_by=self.name,
+            shard_units=taken,
+            placed_at=datetime.fromisoformat(answer["at"]),
+        ).order
 
     def _refuse(self, item: Item, taken: dict[int, int], outcome: str) -> None:
         """A batch's refusal of a sale it wrote nothing for: the units go back, and the

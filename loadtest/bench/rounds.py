@@ -85,10 +85,10 @@ class _Writer:
         self.backend_cpu = process_cpu_seconds(self.stats["backend_pid"]) or 0.0
 
     def _stats(self) -> dict[str, Any]:
-        from inventory.writer import WriterClient
+        from inventory.writer import writer_stats
 
         for _ in range(100):
-            stats = WriterClient(self.path, 5.0).ask({"op": "stats"})
+            stats = writer_stats(self.path)
             if stats["backend_pid"]:
                 return stats
             time.sleep(0.05)

@@ -35,12 +35,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import django
-
 from .contenders import Contender
 from .measure import process_cpu_seconds
 from .rounds import run_contender
-from .strategies import delete_task_queue, sandboxed
+from .strategies import delete_task_queue, sandboxed, setup_django
 
 SKU = "bench-settle"
 #: What one worker must settle, per order the flood accepted in the same time.
@@ -194,13 +192,9 @@ def _pending_again(sale_id: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "shop.settings")
-    from django.core.exceptions import ImproperlyConfigured
-
-    try:
-        django.setup()
-    except ImproperlyConfigured as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    problem = setup_django()
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     problem = sandboxed("loadtest.bench.settle", argv)
     if problem:

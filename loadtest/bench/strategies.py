@@ -173,6 +173,18 @@ def check_database() -> str | None:
     return None
 
 
+def setup_django() -> str | None:
+    """Set Django up for a benchmark run as a program; a message when it cannot be."""
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "shop.settings")
+    from django.core.exceptions import ImproperlyConfigured
+
+    try:
+        django.setup()
+    except ImproperlyConfigured as exc:
+        return str(exc)
+    return None
+
+
 def sandboxed(module: str, argv: list[str] | None) -> str | None:
     """Run on in the load-run sandbox, migrated: re-exec `python -m module argv` there unless
     this process is in it already (its items and orders stay out of the shop's database).
@@ -205,13 +217,9 @@ def delete_task_queue(queue: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "shop.settings")
-    from django.core.exceptions import ImproperlyConfigured
-
-    try:
-        django.setup()
-    except ImproperlyConfigured as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    problem = setup_django()
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     from django.conf import settings
 

@@ -53,6 +53,38 @@ def _checkout(strategy: StockStrategy, sku: str, buyer: str) -> Order:
     return strategy.take(item=item, qty=1, record=SaleRecorder(item=item, qty=1, buyer=buyer))
 
 
+def _crowd(
+    strategy: StockStrategy, sku: str, *, buyers: int, attempts: int, recorder: Recorder
+) -> int:
+    """`buyers` threads check out one unit at a time, each at most `attempts` times, until
+    sold out; returns how many checkouts were answered busy."""
+    busy = 0
+    guard = threading.Lock()
+
+    def buyer(who: str) -> None:
+        nonlocal busy
+        try:
+            for number in range(attempts):
+                try:
+                    _checkout(strategy, sku, f"{who}-{number}")
+                except Busy:
+                    with guard:
+                        busy += 1
+                    continue
+                except SoldOut:
+                    return
+                recorder.note(who, "sold")
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=buyer, args=(f"buyer {n}",)) for n in range(buyers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return busy
+
+
 def _sku(scenario: str, variant: Variant) -> str:
     return f"pitfall-{scenario}-{variant}-{uuid.uuid4().hex[:8]}"
 
@@ -79,27 +111,7 @@ class LostUpdate(Scenario):
         with _shop_on(redis_host, FLASHSALE_UNSAFE_DELAY_MS=5):
             start_sale(sku=sku, stock=self.STOCK, strategy=strategy_name)
             strategy = get_strategy(strategy_name)
-
-            def buyer(who: str) -> None:
-                try:
-                    for number in range(self.STOCK):
-                        try:
-                            _checkout(strategy, sku, f"{who}-{number}")
-                        except Busy:
-                            continue
-                        except SoldOut:
-                            return
-                        recorder.note(who, "sold")
-                finally:
-                    connection.close()
-
-            threads = [
-                threading.Thread(target=buyer, args=(f"buyer {n}",)) for n in range(self.BUYERS)
-            ]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(120)
+            _crowd(strategy, sku, buyers=self.BUYERS, attempts=self.STOCK, recorder=recorder)
         item = Item.objects.get(sku=sku)
         accepted = Order.objects.filter(item=item).count()
         went_down_by = self.STOCK - item.units_left
@@ -175,8 +187,6 @@ class TrustTheLock(Scenario):
     def run(self, variant: Variant, redis_host: RedisHost) -> Outcome:
         recorder = Recorder()
         sku = _sku(self.name, variant)
-        busy = 0
-        guard = threading.Lock()
         with _shop_on(
             redis_host,
             FLASHSALE_LOCK_TTL_MS=25,
@@ -185,30 +195,9 @@ class TrustTheLock(Scenario):
         ):
             start_sale(sku=sku, stock=self.STOCK, strategy="lock")
             strategy = naive.TrustingLockStrategy() if variant == "naive" else get_strategy("lock")
-
-            def buyer(who: str) -> None:
-                nonlocal busy
-                try:
-                    for number in range(10 * self.STOCK):
-                        try:
-                            _checkout(strategy, sku, f"{who}-{number}")
-                        except Busy:
-                            with guard:
-                                busy += 1
-                            continue
-                        except SoldOut:
-                            return
-                        recorder.note(who, "sold")
-                finally:
-                    connection.close()
-
-            threads = [
-                threading.Thread(target=buyer, args=(f"buyer {n}",)) for n in range(self.BUYERS)
-            ]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(120)
+            busy = _crowd(
+                strategy, sku, buyers=self.BUYERS, attempts=10 * self.STOCK, recorder=recorder
+            )
         accepted = Order.objects.filter(item__sku=sku).count()
         return recorder.outcome(
             max(0, accepted - self.STOCK),

@@ -213,15 +213,12 @@ class SaleWriter:
 
     def answers(self) -> bool:
         """Whether it answers on its socket (with its database connection open)."""
+        from inventory.writer import writer_stats
+
         try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-                probe.settimeout(2)
-                probe.connect(self.path)
-                probe.sendall(b'{"op":"stats"}\n')
-                reply = probe.makefile("rb").readline()
+            return writer_stats(self.path, timeout=2)["backend_pid"] is not None
         except OSError:
             return False
-        return b'"backend_pid":null' not in reply and reply.endswith(b"\n")
 
     def kill(self) -> None:
         """SIGKILL it, as a crash would: what it took and had not written stays taken."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import tempfile
 import threading
 import time
 import uuid
@@ -24,10 +23,11 @@ from inventory.orders import reconcile_sale
 from inventory.selectors import audit_sale
 from inventory.services import place_order, start_sale
 from inventory.strategies import plumbing
-from inventory.writer import SaleWriter, WriterClient
+from inventory.writer import writer_stats
 from loadtest.flood import flood
 from shop.processes.servers import SaleWriter as SaleWriterProcess
 from tests.conftest import server_env, start_shop
+from tests.conftest import writer_in_thread as serving
 from tests.support import flood_sells_exactly_the_stock
 
 STOCK = 60
@@ -52,14 +52,10 @@ def writer_shop(writer_process):
     server.stop()
 
 
-def _stats(path: str) -> dict:
-    return WriterClient(path, 5.0).ask({"op": "stats"})
-
-
 def test_a_flood_through_the_writer_sells_exactly_the_stock_in_shared_commits(
     writer_shop, writer_process
 ):
-    before = _stats(writer_process.path)
+    before = writer_stats(writer_process.path)
     for _ in range(ROUNDS):
         # Given a lua sale on a server whose web processes send their sales to the writer
         sku = f"written-{uuid.uuid4().hex[:8]}"
@@ -71,7 +67,7 @@ def test_a_flood_through_the_writer_sells_exactly_the_stock_in_shared_commits(
             writer_shop.url, sku, stock=STOCK, attempts=ATTEMPTS, buyers=BUYERS
         )
     # and the writer wrote them all, several to a commit
-    after = _stats(writer_process.path)
+    after = writer_stats(writer_process.path)
     written = after["sales"] - before["sales"]
     assert written == ROUNDS * STOCK
     assert after["batches"] - before["batches"] < written
@@ -169,17 +165,9 @@ def test_buyers_find_a_restarted_writer_again(writer_in_thread, settings):
     assert writer_in_thread.sales == 1
 
     # and once a writer listens there again, through it
-    again = SaleWriter(writer_in_thread.path)
-    ready = threading.Event()
-    thread = threading.Thread(target=again.serve_forever, kwargs={"ready": ready.set})
-    thread.start()
-    try:
-        assert ready.wait(10)
+    with serving(writer_in_thread.path) as again:
         place_order(sku="widget", qty=1, buyer="cat")
         assert again.sales == 1
-    finally:
-        again.stop()
-        thread.join(10)
     assert Order.objects.filter(item__sku="widget").count() == 3
     audit = audit_sale("widget")
     assert audit["db_stock"] == audit["redis_stock"] == 7 and audit["consistent"], audit
@@ -242,32 +230,27 @@ def test_redis_down_under_the_writer_sends_checkouts_to_the_fallback(settings):
     settings.FLASHSALE_BREAKER_PROBE_SECONDS = 0.2
     with RedisServer() as redis_server:
         settings.REDIS_URL = redis_server.url
-        writer = SaleWriter(f"{tempfile.gettempdir()}/flashsale-test-{uuid.uuid4().hex}.sock")
-        ready = threading.Event()
-        thread = threading.Thread(target=writer.serve_forever, kwargs={"ready": ready.set})
-        thread.start()
         try:
-            assert ready.wait(10)
-            settings.FLASHSALE_SALE_WRITER = writer.path
-            # Given a lua sale selling through the writer
-            start_sale(sku="widget", stock=10, strategy="lua")
-            place_order(sku="widget", qty=1, buyer="ann")
-            assert writer.sales == 1
+            with serving() as writer:
+                settings.FLASHSALE_SALE_WRITER = writer.path
+                # Given a lua sale selling through the writer
+                start_sale(sku="widget", stock=10, strategy="lua")
+                place_order(sku="widget", qty=1, buyer="ann")
+                assert writer.sales == 1
 
-            # When Redis dies, the writer's take fails: nothing is written, and the checkout
-            # is served by the database fallback
-            redis_server.kill()
-            bob = place_order(sku="widget", qty=1, buyer="bob").order
-            assert bob.fallback and writer.sales == 1
+                # When Redis dies, the writer's take fails: nothing is written, and the
+                # checkout is served by the database fallback
+                redis_server.kill()
+                bob = place_order(sku="widget", qty=1, buyer="bob").order
+                assert bob.fallback and writer.sales == 1
 
-            # and once Redis is back (empty), rebuilt from the database, through the writer again
-            redis_server.restart()
-            time.sleep(0.3)
-            cat = place_order(sku="widget", qty=1, buyer="cat").order
-            assert not cat.fallback and writer.sales == 2
+                # and once Redis is back (empty), rebuilt from the database, through the
+                # writer again
+                redis_server.restart()
+                time.sleep(0.3)
+                cat = place_order(sku="widget", qty=1, buyer="cat").order
+                assert not cat.fallback and writer.sales == 2
         finally:
-            writer.stop()
-            thread.join(10)
             breaker.reset()
         audit = audit_sale("widget")
         assert audit["oversold"] == 0 and audit["accepted_units"] == 3, audit
