@@ -28,4 +28,4 @@ RUN DATABASE_URL=postgres://build@localhost/build python manage.py collectstatic
 USER flashsale
 
 EXPOSE 8000
-CMD ["gunicorn", "shop.wsgi:application", "--bind", "0.0.0.0:8000", "--access-logfile", "-"]
+CMD ["gunicorn", "shop.wsgi:application", "--config", "python:shop.gunicorn_conf", "--bind", "0.0.0.0:8000", "--access-logfile", "-"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
@@ -17,7 +18,7 @@ from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from . import selectors, services
+from . import metrics, selectors, services
 from .exceptions import Busy, CheckoutError, InvalidRequest
 from .models import SKU_PATTERN, Order
 from .strategies.plumbing import lock_wait_seconds
@@ -118,15 +119,21 @@ def _read_body(request: HttpRequest) -> bytes:
 def checkout(request: HttpRequest) -> JsonResponse:
     if request.method != "POST":
         return method_not_allowed(request, "POST")
+    started = time.perf_counter()
     lock_wait_seconds.set(0.0)
-    response = _checkout(request)
+    services.checkout_strategy.set(metrics.NO_STRATEGY)
+    response, outcome = _checkout(request)
+    metrics.checkout_answered(
+        services.checkout_strategy.get(), outcome, time.perf_counter() - started
+    )
     waited = lock_wait_seconds.get()
     if waited:
         response["Server-Timing"] = f"lock;dur={waited * 1000:.2f}"
     return response
 
 
-def _checkout(request: HttpRequest) -> JsonResponse:
+def _checkout(request: HttpRequest) -> tuple[JsonResponse, str]:
+    """The answer, and its outcome: `accepted` or the error's code."""
     try:
         parsed = parse_checkout(_read_body(request))
         result = services.place_order(
@@ -136,17 +143,19 @@ def _checkout(request: HttpRequest) -> JsonResponse:
             idempotency_key=parsed.idempotency_key,
         )
     except RequestDataTooBig:
-        return error_response(
+        too_large = error_response(
             "too_large",
             f"the body is larger than {settings.DATA_UPLOAD_MAX_MEMORY_SIZE} bytes",
             413,
         )
+        return too_large, "invalid"
     except CheckoutError as error:
-        return checkout_error_response(error)
+        return checkout_error_response(error), error.code
     headers = {"Location": f"/api/orders/{result.order.public_id}"}
     if not result.created:
         headers["Idempotent-Replayed"] = "true"
-    return JsonResponse(selectors.checkout_payload(result.order), status=201, headers=headers)
+    payload = selectors.checkout_payload(result.order)
+    return JsonResponse(payload, status=201, headers=headers), "accepted"
 
 
 @csrf_exempt
@@ -164,11 +173,18 @@ def noop(request: HttpRequest) -> JsonResponse:
     return JsonResponse({"ok": True})
 
 
-def _may_audit(request: HttpRequest) -> bool:
-    """A staff login, or the bearer token FLASHSALE_API_TOKEN (what load tools send)."""
+def has_api_token(request: HttpRequest) -> bool:
+    """Whether the request sends the bearer token FLASHSALE_API_TOKEN (what tools send)."""
     token = settings.FLASHSALE_API_TOKEN
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    if token and scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), token.encode()):
+    return bool(
+        token and scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), token.encode())
+    )
+
+
+def _may_audit(request: HttpRequest) -> bool:
+    """A staff login, or the bearer token FLASHSALE_API_TOKEN (what load tools send)."""
+    if has_api_token(request):
         return True
     user = getattr(request, "user", None)
     return bool(user and user.is_active and user.is_staff)

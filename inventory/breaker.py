@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from django.conf import settings
 
+from . import metrics
 from .redis_client import REDIS_DOWN_ERRORS, get_redis_client
 
 logger = logging.getLogger(__name__)
@@ -25,11 +26,14 @@ class CircuitBreaker:
         self,
         name: str,
         *,
+        metric: str,
         probe_seconds: Callable[[], float],
         probe: Callable[[], None] | None = None,
         probe_errors: tuple[type[BaseException], ...] = (),
     ) -> None:
         self.name = name
+        #: Its `breaker` label in the metrics.
+        self.metric = metric
         self._probe_seconds = probe_seconds
         self._probe = probe
         self._probe_errors = probe_errors
@@ -45,11 +49,13 @@ class CircuitBreaker:
         """The dependency failed: open (or keep open) and try again after the interval."""
         if self._retry_at is None:
             self.opened_count += 1
+            metrics.BREAKER_OPEN.labels(self.metric).set(1)
             logger.warning("%s unreachable (%s): breaker open", self.name, exc)
         self._retry_at = time.monotonic() + self._probe_seconds()
 
     def record_success(self) -> None:
         if self._retry_at is not None:
+            metrics.BREAKER_OPEN.labels(self.metric).set(0)
             logger.warning("%s is back: breaker closed", self.name)
         self._retry_at = None
 
@@ -78,6 +84,8 @@ class CircuitBreaker:
         return True
 
     def reset(self) -> None:
+        if self._retry_at is not None:
+            metrics.BREAKER_OPEN.labels(self.metric).set(0)
         self._retry_at = None
 
 
@@ -96,6 +104,7 @@ def _probe_redis() -> None:
 #: This process's breaker in front of Redis: closes only once Redis answers and is rebuilt.
 breaker = CircuitBreaker(
     "Redis",
+    metric="redis",
     probe_seconds=lambda: settings.FLASHSALE_BREAKER_PROBE_SECONDS,
     probe=_probe_redis,
     probe_errors=REDIS_DOWN_ERRORS,
@@ -103,5 +112,5 @@ breaker = CircuitBreaker(
 
 #: This process's breaker in front of the Celery broker; the next publish is the trial.
 broker_breaker = CircuitBreaker(
-    "Celery broker", probe_seconds=lambda: settings.FLASHSALE_BROKER_PROBE_SECONDS
+    "Celery broker", metric="broker", probe_seconds=lambda: settings.FLASHSALE_BROKER_PROBE_SECONDS
 )

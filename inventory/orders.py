@@ -30,7 +30,7 @@ from django.db.models import Q, Sum
 from django.utils import timezone
 from kombu.exceptions import KombuError
 
-from . import stock
+from . import metrics, stock
 from .breaker import broker_breaker
 from .models import LIVE_STATUSES, Item, Order, OrderStatus, PaymentAttempt, StockShard
 from .redis_client import REDIS_DOWN_ERRORS
@@ -249,6 +249,10 @@ def settle_orders(order_pks: list[int]) -> Settled:
             )
             for order in declined:
                 stock.return_units(order)
+    metrics.ORDERS_SETTLED.labels("confirmed").inc(len(result.confirmed))
+    metrics.ORDERS_SETTLED.labels("failed").inc(len(result.failed))
+    for order in batch:
+        metrics.SETTLE_LAG.observe((now - order.created_at).total_seconds())
     # Redis gets the units back after the commit, or later from the give-back queue. A batch
     # delivered again (its worker died before this) gives back what an earlier delivery
     # declined: at most once per order all the same.
@@ -421,15 +425,23 @@ def reconcile_sale(sku: str) -> list[str]:
                 if units != expected_rows[index] and expected_rows[index] >= 0:
                     changes.append(f"{sku}: stock row {index} {units} -> {expected_rows[index]}")
                     stock.set_shard_stock(sale.pk, index, expected_rows[index])
+                    metrics.RECONCILER_REPAIRS.labels("database").inc()
+                    drift = abs(units - expected_rows[index])
+                    metrics.RECONCILER_DRIFT_UNITS.labels("database").inc(drift)
         if item.stock != expected:
             if not item.shard_count:
                 changes.append(f"{sku}: database stock {item.stock} -> {expected}")
+                metrics.RECONCILER_REPAIRS.labels("database").inc()
+                metrics.RECONCILER_DRIFT_UNITS.labels("database").inc(abs(item.stock - expected))
             Item.objects.filter(pk=item.pk).update(stock=expected)
             item.stock = expected
     strategy = get_strategy(item.strategy)
     if strategy.counts_in_redis:
         before = strategy.redis_stock(item=item)
         if before != expected:
-            strategy.sync_redis(item=item)
+            strategy.sync_redis(item=item, force=True)
             changes.append(f"{sku}: Redis stock {before} -> {strategy.redis_stock(item=item)}")
+            metrics.RECONCILER_REPAIRS.labels("redis").inc()
+            if before is not None:
+                metrics.RECONCILER_DRIFT_UNITS.labels("redis").inc(abs(before - expected))
     return changes

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import nullcontext
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -31,6 +32,10 @@ from .stock import split_stock
 from .strategies import get_strategy, strategy_names
 
 logger = logging.getLogger(__name__)
+
+#: The strategy of the item this checkout reached (its metrics' label); the caller sets it
+#: before each checkout.
+checkout_strategy: ContextVar[str] = ContextVar("checkout_strategy", default="none")
 
 ALLOWANCE_LIMIT_CONSTRAINT = "allowance_within_limit"
 
@@ -97,6 +102,7 @@ def _sell_once(
     if found is None:
         raise UnknownSku(sku)
     item, opening = found
+    checkout_strategy.set(item.strategy)
     if item.current_sale_id is None or opening is None:
         raise NotOnSale(sku)
     if opening.opens_after > time.monotonic():

@@ -36,12 +36,12 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from django.conf import settings
 from django.db.models import Sum
@@ -81,7 +81,16 @@ LOCUST_START_SECONDS = 1.5
 #: slower than its probe and still sell out.
 CAP_FACTOR = 2
 
-Progress = Callable[[str], None]
+
+class Progress(Protocol):
+    """Where a batch tells how it goes: a line at a time; `live` lines say how the run under way
+    is going now, each superseding the one before (a terminal shows them in place)."""
+
+    def __call__(self, line: str, *, live: bool = False) -> None: ...
+
+
+def print_progress(line: str, *, live: bool = False) -> None:
+    print(line)
 
 
 class LoadRunError(Exception):
@@ -237,7 +246,7 @@ def new_batch_id() -> str:
 
 
 def run_batch(
-    config: LoadRunSettings, *, progress: Progress = print, batch: str | None = None
+    config: LoadRunSettings, *, progress: Progress = print_progress, batch: str | None = None
 ) -> Batch:
     """Run the baseline and every strategy; record, report and return the runs."""
     config.validate()
@@ -284,6 +293,8 @@ def _target(config: LoadRunSettings, batch: str, out: Path, progress: Progress) 
     # environment, which Locust inherits from this process.
     os.environ.setdefault("FLASHSALE_API_TOKEN", secrets.token_urlsafe(32))
     env["FLASHSALE_API_TOKEN"] = os.environ["FLASHSALE_API_TOKEN"]
+    # Its `/metrics` are open to this machine, as under `make serve`.
+    env.setdefault("FLASHSALE_METRICS_LOOPBACK", "true")
     writer = SaleWriter(env, log_path=out / "writer.log") if config.sale_writer else None
     server_env = {**env, **(writer.env() if writer else {})}
     server = ShopServer(
@@ -505,6 +516,7 @@ def _locust(
         command += ["--processes", str(config.workers)]
     label = run.strategy if until_sold_out or run.strategy == BASELINE else f"{run.strategy} probe"
     started = time.monotonic()
+    history = Path(f"{prefix}_stats_history.csv")
     with open(f"{prefix}.log", "wb") as log:
         process = subprocess.Popen(
             command, cwd=PROJECT_DIR, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy()
@@ -512,10 +524,23 @@ def _locust(
         try:
             while not _exited(process, within=2.0):
                 elapsed = min(time.monotonic() - started, seconds)
+                rate, failures = latest_rates(history)
                 line = f"  {label}: {elapsed:4.0f} s of {seconds}"
                 if until_sold_out:
                     line += f" at most, {_units_sold(run.sku)} of {run.initial_stock} units sold"
-                progress(line)
+                progress(f"{line}, {rate:,.0f} req/s, {failures} failures", live=True)
+                if until_sold_out or run.strategy == BASELINE:
+                    # The compare page shows the run as it goes, and its units sold over time.
+                    run.history = _history(history, config.qty)
+                    run.requests_per_second, run.failures = rate, failures
+                    run.save(
+                        update_fields=[
+                            "history",
+                            "requests_per_second",
+                            "failures",
+                            "initial_stock",
+                        ]
+                    )
         except BaseException:
             process.terminate()
             process.wait()
@@ -582,6 +607,20 @@ def _read_stats(run: SaleRun, prefix: Path, qty: int, exit_code: int) -> None:
         raise LoadRunError(
             f"Locust exited with {exit_code} and left no readable stats ({exc}); {_tail(prefix)}"
         ) from exc
+
+
+def latest_rates(path: Path) -> tuple[float, int]:
+    """HTTP requests/s in the latest second of a run's Locust history, and its failures so far
+    (0, 0 before Locust wrote any)."""
+    latest: dict[str, list[dict[str, str]]] = {}
+    for row in _rows(path) if path.exists() else []:
+        if row["Type"] in HTTP_TYPES:
+            latest.setdefault(row["Timestamp"], []).append(row)
+    if not latest:
+        return 0.0, 0
+    rows = latest[max(latest, key=int)]
+    rate = sum(float(row["Requests/s"] or 0) for row in rows)
+    return rate, sum(int(row["Total Failure Count"] or 0) for row in rows)
 
 
 def _history(path: Path, qty: int) -> list[dict[str, float]]:

@@ -113,6 +113,19 @@ def _label(run: SaleRun, runs: list[SaleRun]) -> str:
     return f"{run.strategy} #{run.pk}" if same_strategy else run.strategy
 
 
+def _live(run: SaleRun) -> dict:
+    """How a run under way is going, from the history its command records as it runs."""
+    latest = run.history[-1] if run.history else {}
+    return {
+        "strategy": run.strategy,
+        "seconds": int(latest.get("t", 0)),
+        "units_sold": int(latest.get("units_sold", 0)),
+        "initial_stock": run.initial_stock,
+        "requests_per_second": run.requests_per_second or 0,
+        "failures": run.failures,
+    }
+
+
 def compare(request: HttpRequest) -> HttpResponse:
     """GET: compare runs (the latest batch, or the `run` ids chosen). POST: start a batch."""
     if request.method == "POST":
@@ -144,6 +157,7 @@ def compare(request: HttpRequest) -> HttpResponse:
         "watching": batch,
         "running": running,
         "planned": planned,
+        "live_runs": [_live(run) for run in runs if run.status == SaleRun.Status.RUNNING],
     }
     return TemplateResponse(request, "admin/loadtest/compare.html", context)
 

@@ -130,6 +130,8 @@ WHITENOISE_USE_FINDERS = True
 DATA_UPLOAD_MAX_MEMORY_SIZE = env.int("FLASHSALE_MAX_BODY_BYTES", default=16 * 1024)
 # Bearer token for the machine endpoints (the audit): unset, only a staff login reads them.
 FLASHSALE_API_TOKEN = env.str("FLASHSALE_API_TOKEN", default="")
+# `/metrics` open to any client on this machine, without the token (the local make targets).
+FLASHSALE_METRICS_LOOPBACK = env.bool("FLASHSALE_METRICS_LOOPBACK", default=False)
 
 LOGIN_URL = "admin:login"
 
@@ -150,6 +152,9 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 # one process: no process hand-off per task, and one database connection per thread at most.
 CELERY_WORKER_POOL = env.str("FLASHSALE_WORKER_POOL", default="threads")
 CELERY_WORKER_CONCURRENCY = env.int("FLASHSALE_WORKER_CONCURRENCY", default=4)
+# The worker's metrics (orders settled, settle lag, task retries) on a port of its own: 0, none.
+FLASHSALE_WORKER_METRICS_PORT = env.int("FLASHSALE_WORKER_METRICS_PORT", default=0)
+FLASHSALE_WORKER_METRICS_HOST = env.str("FLASHSALE_WORKER_METRICS_HOST", default="127.0.0.1")
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_DEFAULT_QUEUE = env.str("FLASHSALE_TASK_QUEUE", default="flashsale")
 # Orders, give-back and maintenance tasks each on a queue of their own (shop.queues).

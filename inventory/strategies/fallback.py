@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .. import metrics
 from ..breaker import CircuitBreaker
 from ..models import Item, Order
 from ..redis_client import REDIS_DOWN_ERRORS
@@ -39,10 +40,11 @@ class RedisWithFallback(StockStrategy):
                 return self.primary.take(item=item, qty=qty, record=record)
             except REDIS_DOWN_ERRORS as exc:
                 self.breaker.record_failure(exc)
+        metrics.FALLBACK_CHECKOUTS.labels(self.name).inc()
         return self.fallback.take(item=item, qty=qty, record=record.as_fallback())
 
-    def sync_redis(self, *, item: Item) -> None:
-        self.primary.sync_redis(item=item)
+    def sync_redis(self, *, item: Item, force: bool = False) -> None:
+        self.primary.sync_redis(item=item, force=force)
 
     def return_units(self, *, item: Item, order: Order) -> None:
         self.primary.return_units(item=item, order=order)

@@ -117,9 +117,13 @@ class Server:
         # it off: each web process then writes its own).
         if os.environ.setdefault("FLASHSALE_SALE_WRITER", self.writer_socket()):
             self._spawn("the sale writer", [sys.executable, "manage.py", "sale", "writer"])
+        # `/metrics` open to this machine, without the token; the worker's on the next port.
+        os.environ.setdefault("FLASHSALE_METRICS_LOOPBACK", "true")
+        os.environ.setdefault("FLASHSALE_WORKER_METRICS_PORT", str(self.port + 1))
         self._spawn(
             "the web server (gunicorn)",
             [sys.executable, "-m", "gunicorn", "shop.wsgi:application"]
+            + ["--config", "python:shop.gunicorn_conf"]
             + ["--bind", f"{self.host}:{self.port}", "--workers", str(self.workers)]
             + ["--worker-class", "sync", "--access-logfile", "-"],
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -64,6 +65,12 @@ class ShopServer:
         self.log_path = log_path
         self.preload = preload
         self.process: subprocess.Popen[bytes] | None = None
+        # Its workers' metrics, summed at each scrape (`shop.gunicorn_conf`): in a directory this
+        # object makes and removes, whatever becomes of the server, unless one is given.
+        self.metrics_dir: Path | None = None
+        if not self.env.get("PROMETHEUS_MULTIPROC_DIR"):
+            self.metrics_dir = Path(tempfile.mkdtemp(prefix="flashsale-metrics-"))
+            self.env["PROMETHEUS_MULTIPROC_DIR"] = str(self.metrics_dir)
 
     def start(self, timeout: float = 30.0) -> ShopServer:
         command = [
@@ -71,6 +78,8 @@ class ShopServer:
             "-m",
             "gunicorn",
             "shop.wsgi:application",
+            "--config",
+            "python:shop.gunicorn_conf",
             "--bind",
             f"127.0.0.1:{self.port}",
             "--workers",
@@ -107,6 +116,8 @@ class ShopServer:
 
     def stop(self) -> None:
         stop_group(self.process, timeout=10)
+        if self.metrics_dir is not None:
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
     def __enter__(self) -> ShopServer:
         return self.start()

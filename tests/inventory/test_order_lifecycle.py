@@ -225,8 +225,19 @@ def test_reconcile_restores_a_lua_counter_left_low_by_a_crash():
     for index in holding.values_list("index", flat=True):
         get_redis_client().decrby(row_key(item, index), 1)
     assert get_strategy("lua").redis_stock(item=item) == 5
+    repairs_before = _sample("flashsale_reconciler_repairs_total", store="redis")
+    units_before = _sample("flashsale_reconciler_drift_units_total", store="redis")
 
     changes = orders.reconcile_sale("widget")
 
     assert changes == ["widget: Redis stock 5 -> 8"]
     assert audit_sale("widget")["consistent"]
+    # and the metrics count the repair and the 3 units of drift
+    assert _sample("flashsale_reconciler_repairs_total", store="redis") == repairs_before + 1
+    assert _sample("flashsale_reconciler_drift_units_total", store="redis") == units_before + 3
+
+
+def _sample(name: str, **labels: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, labels) or 0.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import os
 import re
 import secrets
@@ -265,9 +266,11 @@ def test_the_sale_writer_shares_its_socket_with_web(services):
 
 
 def test_only_nginx_is_published_and_it_buffers_requests_for_gunicorn(services):
-    # gunicorn's sync workers are never reachable by a slow client directly
+    # gunicorn's sync workers are never reachable by a slow client directly (Grafana is, on
+    # this machine's loopback only)
     published = {name for name, service in services.items() if service.get("ports")}
-    assert published == {"proxy"}, published
+    assert published == {"proxy", "grafana"}, published
+    assert services["grafana"]["ports"] == ["127.0.0.1:3000:3000"]
     proxy = services["proxy"]
     assert proxy["image"].startswith("nginx:")
     assert [str(port) for port in proxy["ports"]] == ["8000:80"]
@@ -391,3 +394,44 @@ def test_the_web_app_refuses_to_serve_without_a_secret_key(services):
     assert served.returncode == 0, served.stderr
     # commands and workers do without one
     assert _manage({**env, "DJANGO_SECRET_KEY": ""}, "check").returncode == 0
+
+
+def test_prometheus_scrapes_web_with_the_token_and_grafana_has_the_dashboard(services):
+    prometheus = services["prometheus"]
+    assert prometheus["image"].startswith("prom/prometheus:")
+    source, target = prometheus["volumes"][0].split(":")[:2]
+    config = yaml.safe_load((ROOT / source).read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    job = jobs["flashsale-web"]
+    assert job["static_configs"][0]["targets"] == ["web:8000"]  # not the proxy: it answers 404
+    # and the worker's own port, which its service sets (on the compose network only)
+    app_env = _compose_app_env(services)
+    worker_target = f"worker:{app_env['FLASHSALE_WORKER_METRICS_PORT']}"
+    assert jobs["flashsale-worker"]["static_configs"][0]["targets"] == [worker_target]
+    assert app_env["FLASHSALE_WORKER_METRICS_HOST"] == "0.0.0.0"
+    assert job["metrics_path"] == "/metrics" and job["authorization"]["type"] == "Bearer"
+    # the command writes the token where the scrape reads it, then runs Prometheus on the config
+    command = " ".join(prometheus["command"])
+    assert job["authorization"]["credentials_file"] in command
+    assert f"--config.file={target}" in command
+    assert "FLASHSALE_API_TOKEN" in prometheus["environment"]
+    assert "FLASHSALE_API_TOKEN" in services["web"]["environment"]
+    assert "location = /metrics" in (ROOT / "deploy" / "nginx.conf").read_text()
+
+    grafana = services["grafana"]
+    mounts = dict(volume.split(":")[:2] for volume in grafana["volumes"])
+    provisioning = ROOT / next(src for src, dst in mounts.items() if dst.endswith("provisioning"))
+    (datasource,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())[
+        "datasources"
+    ]
+    assert datasource["url"] == "http://prometheus:9090"
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "flashsale.yml").read_text())[
+        "providers"
+    ]
+    dashboards = ROOT / next(
+        src for src, dst in mounts.items() if dst == provider["options"]["path"]
+    )
+    dashboard = json.loads((dashboards / "flashsale.json").read_text())
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == datasource["uid"], panel["title"]

@@ -19,6 +19,27 @@ from loadtest.report import BASELINE, stranded, table
 from loadtest.runs import BATCH_ID, SETTLE_TIMEOUT, LoadRunSettings, run_batch
 
 
+class LiveProgress:
+    """Writes a batch's progress to `out`: on a terminal, each live line replaces the one before
+    it in place; elsewhere (a log, a pipe) every line is a line of its own."""
+
+    def __init__(self, out: Any) -> None:
+        self.out = out
+        self.in_place = out.isatty()
+        self._live_shown = False
+
+    def __call__(self, line: str, *, live: bool = False) -> None:
+        if live and self.in_place:
+            self.out.write(f"\r\x1b[2K{line}", ending="")
+            self._live_shown = True
+        else:
+            if self._live_shown:
+                self.out.write("")  # ends the live line
+                self._live_shown = False
+            self.out.write(line)
+        self.out.flush()
+
+
 class Command(BaseCommand):
     help = (
         "Flood each strategy in turn with Locust (after a baseline against a no-op endpoint): "
@@ -162,9 +183,7 @@ class Command(BaseCommand):
             except sandbox.SandboxError as error:
                 raise CommandError(str(error)) from None
 
-        def progress(line: str) -> None:
-            self.stderr.write(line)
-            self.stderr.flush()
+        progress = LiveProgress(self.stderr)
 
         batch = run_batch(config, progress=progress, batch=batch_id)
         self.stdout.write("")

@@ -1,0 +1,262 @@
+"""`/metrics` of a real gunicorn with several workers: every worker's checkouts counted in one
+scrape, by strategy and outcome, and read only with the token (or from this machine, where the
+local targets open it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from django.db.models import Count
+from django.test import Client
+from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
+
+from inventory import stock
+from inventory.models import Item, Order
+from inventory.services import place_order, start_sale
+from inventory.strategies.base import Allocation
+from shop.celery import app as celery_app
+from shop.processes.ports import free_port
+from shop.processes.servers import PROJECT_DIR as ROOT
+from shop.processes.servers import stop_group
+from tests.conftest import TEST_API_TOKEN, server_env, start_shop, start_worker, wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+STOCK, CHECKOUTS = 30, 80
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_one_scrape_counts_the_checkouts_of_every_worker_by_strategy_and_outcome():
+    # Given a shop of 4 workers, open to this machine as under `make serve`
+    sku = f"metered-{uuid.uuid4().hex[:6]}"
+    start_sale(sku=sku, stock=STOCK, strategy="lock")
+    server = start_shop(FLASHSALE_METRICS_LOOPBACK="true")
+    try:
+        # When a crowd checks out more than the stock, over new connections (so every worker
+        # serves some), and asks for an item that does not exist
+        def buy(number: int) -> int:
+            body = {"sku": sku, "qty": 1, "buyer": f"b{number}"}
+            return requests.post(f"{server.url}/api/checkout", json=body, timeout=30).status_code
+
+        with ThreadPoolExecutor(max_workers=12) as pool:
+            statuses = list(pool.map(buy, range(CHECKOUTS)))
+        unknown = requests.post(
+            f"{server.url}/api/checkout", json={"sku": "nothing-here", "qty": 1, "buyer": "x"}
+        )
+        scrape = requests.get(f"{server.url}/metrics", timeout=10)
+        # (each worker that counted has a file of its own in the server's directory)
+        assert server.metrics_dir is not None
+        files = os.listdir(server.metrics_dir)
+    finally:
+        server.stop()
+
+    # Then one scrape has them all: accepted == units sold, the rest sold out
+    assert statuses.count(201) == STOCK and unknown.status_code == 404, statuses
+    assert len([name for name in files if name.startswith("counter_")]) >= 2, files
+    assert scrape.status_code == 200 and scrape.headers["Content-Type"].startswith("text/plain")
+    samples = _samples(scrape.text)
+    checkouts = "flashsale_checkouts_total"
+    assert samples[(checkouts, (("outcome", "accepted"), ("strategy", "lock")))] == STOCK
+    sold_out = samples[(checkouts, (("outcome", "sold_out"), ("strategy", "lock")))]
+    assert sold_out == CHECKOUTS - STOCK
+    assert samples[(checkouts, (("outcome", "unknown_sku"), ("strategy", "none")))] == 1
+    latency = "flashsale_checkout_duration_seconds_count"
+    assert samples[(latency, (("strategy", "lock"),))] == CHECKOUTS
+    # and the database's figures: nothing oversold, the orders still pending (no worker here)
+    assert samples[("flashsale_oversold_units", (("sku", sku),))] == 0
+    assert samples[("flashsale_orders", (("sku", sku), ("status", "pending")))] == STOCK
+    # and every lock granted was waited for and held once, the sold units' locks among them
+    waits = samples[("flashsale_lock_wait_seconds_count", (("strategy", "lock"),))]
+    holds = samples[("flashsale_lock_hold_seconds_count", (("strategy", "lock"),))]
+    assert STOCK <= waits == holds <= CHECKOUTS
+    timeouts = ("flashsale_lock_acquire_timeouts_total", (("strategy", "lock"),))
+    assert samples.get(timeouts, 0) == 0
+
+
+def test_checkouts_served_by_the_fallback_and_the_open_breaker_are_counted():
+    # Given a shop whose Redis is not there (nothing listens on its port)
+    sku = f"fallback-{uuid.uuid4().hex[:6]}"
+    start_sale(sku=sku, stock=10, strategy="lua")
+    server = start_shop(
+        REDIS_URL=f"redis://127.0.0.1:{free_port()}/0", FLASHSALE_METRICS_LOOPBACK="true"
+    )
+    try:
+        answers = [
+            requests.post(
+                f"{server.url}/api/checkout", json={"sku": sku, "qty": 1, "buyer": f"b{n}"}
+            )
+            for n in range(6)
+        ]
+        samples = _samples(requests.get(f"{server.url}/metrics", timeout=10).text)
+    finally:
+        server.stop()
+    # Then each sale went through the database fallback, and the breaker is open
+    assert [answer.status_code for answer in answers] == [201] * 6
+    assert all(answer.json()["fallback"] for answer in answers)
+    assert samples[("flashsale_fallback_checkouts_total", (("strategy", "lua"),))] == 6
+    accepted = ("flashsale_checkouts_total", (("outcome", "accepted"), ("strategy", "lua")))
+    assert samples[accepted] == 6
+    assert samples[("flashsale_breaker_open", (("breaker", "redis"),))] == 1
+
+
+def test_the_metrics_need_the_token_unless_the_local_targets_open_them():
+    server = start_shop()  # as deployed: FLASHSALE_METRICS_LOOPBACK off
+    try:
+        url = f"{server.url}/metrics"
+        requests.post(f"{server.url}/api/checkout", json={"sku": "none", "qty": 1, "buyer": "x"})
+        refused = requests.get(url, timeout=10)
+        wrong = requests.get(url, headers={"Authorization": "Bearer not-it"}, timeout=10)
+        allowed = requests.get(
+            url, headers={"Authorization": f"Bearer {TEST_API_TOKEN}"}, timeout=10
+        )
+        posted = requests.post(
+            url, headers={"Authorization": f"Bearer {TEST_API_TOKEN}"}, timeout=10
+        )
+    finally:
+        server.stop()
+    for answer in (refused, wrong):
+        assert answer.status_code == 401 and answer.json()["error"] == "unauthorized"
+        assert answer.headers["WWW-Authenticate"].startswith("Bearer")
+    assert allowed.status_code == 200 and "flashsale_checkouts" in allowed.text
+    assert posted.status_code == 405 and posted.headers["Allow"] == "GET"
+
+
+def test_a_server_leaves_no_metrics_directory_behind():
+    server = start_shop()
+    directory = server.metrics_dir
+    try:
+        assert directory is not None and directory.is_dir()
+    finally:
+        server.stop()
+    assert not directory.exists()
+
+
+def test_gunicorn_makes_its_own_metrics_directory_when_none_is_given_and_removes_it(tmp_path):
+    # Given gunicorn started with the shop's config and no PROMETHEUS_MULTIPROC_DIR
+    env = {key: value for key, value in server_env().items() if key != "PROMETHEUS_MULTIPROC_DIR"}
+    env["TMPDIR"] = str(tmp_path)
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gunicorn", "shop.wsgi:application", "--config",
+         "python:shop.gunicorn_conf", "--bind", f"127.0.0.1:{port}", "--workers", "2",
+         "--graceful-timeout", "5"],
+        cwd=ROOT, env={**os.environ, **env}, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert wait_until(lambda: _answers(f"http://127.0.0.1:{port}/healthz"), timeout=30)
+        # Then its workers count into a directory of its own, which it removes as it stops
+        assert [path.name for path in tmp_path.iterdir()] == [f"flashsale-metrics-{process.pid}"]
+    finally:
+        stop_group(process, timeout=30)  # SIGTERM: a graceful stop, which runs on_exit
+    assert list(tmp_path.iterdir()) == []
+
+
+def _answers(url: str) -> bool:
+    try:
+        return requests.get(url, timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def test_units_oversold_show_per_item_on_sale(settings):
+    # Given an item whose sale accepted three units of two (writes that trust what they read)
+    settings.FLASHSALE_API_TOKEN = "token-for-this-test"
+    start_sale(sku="oversold", stock=2, strategy="unsafe")
+    start_sale(sku="fine", stock=2, strategy="lock")
+    item = Item.objects.get(sku="oversold")
+    for buyer in ("a", "b", "c"):
+        stock.sell(
+            stock.SaleRecorder(item=item, qty=1, buyer=buyer),
+            Allocation("unsafe", set_stock=1),
+        )
+
+    # Then the scrape shows the damage on that item alone
+    scrape = Client().get("/metrics", HTTP_AUTHORIZATION="Bearer token-for-this-test")
+    samples = _samples(scrape.content.decode())
+    assert samples[("flashsale_oversold_units", (("sku", "oversold"),))] == 1
+    assert samples[("flashsale_oversold_units", (("sku", "fine"),))] == 0
+    assert samples[("flashsale_orders", (("sku", "oversold"), ("status", "pending")))] == 3
+
+
+def test_every_metric_the_dashboard_queries_is_served_at_metrics(settings):
+    settings.FLASHSALE_API_TOKEN = "token-for-this-test"
+    scrape = Client().get("/metrics", HTTP_AUTHORIZATION="Bearer token-for-this-test")
+    served = {family.name for family in text_string_to_metric_families(scrape.content.decode())}
+    dashboard = json.loads(
+        (ROOT / "deploy" / "grafana" / "dashboards" / "flashsale.json").read_text()
+    )
+    queried = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"\b(flashsale_[a-z_]+)", target["expr"])
+    }
+    assert len(queried) >= 9
+    # a counter's family is named without _total; a histogram's series add _bucket, _count, _sum
+    families = {re.sub(r"_(total|bucket|count|sum)$", "", name) for name in queried}
+    assert families <= served, families - served
+
+
+def test_watchdog_renewals_of_a_lock_strategy_are_counted(settings):
+    # Given a lock checkout whose work outlasts a third of its lock's TTL
+    settings.FLASHSALE_LOCK_TTL_MS, settings.FLASHSALE_HOLD_DELAY_MS = 300, 600
+    start_sale(sku="watched", stock=1, strategy="lock")
+    renewed = {"strategy": "lock", "outcome": "renewed"}
+    before = REGISTRY.get_sample_value("flashsale_lock_renewals_total", renewed) or 0
+
+    place_order(sku="watched", qty=1, buyer="slow")
+
+    # Then its watchdog renewed it, and the renewals are counted as lock's
+    assert (REGISTRY.get_sample_value("flashsale_lock_renewals_total", renewed) or 0) > before
+
+
+def test_the_worker_counts_the_orders_it_settles_and_their_lag_on_its_own_port():
+    # Given a worker serving its metrics, whose payments are declined about half the time (and
+    # no message of an earlier test left for it: it would count those orders too)
+    celery_app.control.purge()
+    port = free_port()
+    worker = start_worker(
+        concurrency=2,
+        FLASHSALE_PAYMENT_LATENCY_MS=5,
+        FLASHSALE_PAYMENT_FAILURE_RATE=0.5,
+        FLASHSALE_WORKER_METRICS_PORT=port,
+    )
+    try:
+        # When six orders are placed (and handed to it, as every checkout's are)
+        sku = f"settled-{uuid.uuid4().hex[:6]}"
+        start_sale(sku=sku, stock=10, strategy="lua")
+        for number in range(6):
+            place_order(sku=sku, qty=1, buyer=f"b{number}")
+        final = ("confirmed", "failed")
+        assert wait_until(
+            lambda: Order.objects.filter(item__sku=sku, status__in=final).count() == 6,
+            timeout=60,
+        )
+        samples = _samples(requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
+    finally:
+        worker.stop()
+
+    # Then its scrape counts each order settled once, by outcome, and each one's lag
+    statuses = dict(
+        Order.objects.filter(item__sku=sku).values_list("status").annotate(n=Count("pk"))
+    )
+    for outcome in final:
+        settled = samples.get(("flashsale_orders_settled_total", (("outcome", outcome),)), 0)
+        assert settled == statuses.get(outcome, 0), (outcome, statuses)
+    assert samples[("flashsale_settle_lag_seconds_count", ())] == 6
