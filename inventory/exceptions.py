@@ -64,6 +64,12 @@ class Busy(CheckoutError):
         self.retry_after = retry_after
 
 
+class LockLost(Busy):
+    """The checkout's lock slipped away before its sale was written: the watchdog found it
+    gone, or the database refused the lock's fencing token (a later holder has written, so
+    this one's lock expired under it: it was paused past its TTL). Nothing was taken."""
+
+
 class NotOnSale(CheckoutError):
     code = "not_on_sale"
     status = 409

@@ -58,6 +58,12 @@ class Item(models.Model):
         "`sale reconcile`: its units left are the sum of its rows (units_left).",
     )
     version = models.BigIntegerField(default=0, help_text="Bumped by every stock write.")
+    fence = models.BigIntegerField(
+        default=0,
+        db_default=0,
+        help_text="The fencing token of the latest lock holder whose sale this row accepted: "
+        "the sale statement refuses a holder with an older one (its lock expired under it).",
+    )
     strategy = models.CharField(max_length=16, default=default_strategy)
     per_buyer_limit = models.PositiveIntegerField(
         null=True, blank=True, help_text="Most units one buyer may hold; empty for no limit."
@@ -119,6 +125,8 @@ class StockShard(models.Model):
     index = models.PositiveSmallIntegerField()
     stock = models.IntegerField(default=0)
     version = models.BigIntegerField(default=0)
+    #: The fencing token of the latest shard-lock holder whose sale this row accepted.
+    fence = models.BigIntegerField(default=0, db_default=0)
     #: Units ever put in this row: its share of the sale's initial stock, plus restocks.
     supplied = models.PositiveIntegerField(default=0)
 

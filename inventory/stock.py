@@ -22,6 +22,7 @@ import json
 import random
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from functools import cache, cached_property
@@ -88,6 +89,8 @@ class Sold:
     item_stock: int | None
     #: Units left on each stock row the sale took from (empty when it took from none).
     shard_levels: dict[int, int] = field(default_factory=dict)
+    #: The version of each of those rows the sale wrote.
+    shard_versions: dict[int, int] = field(default_factory=dict)
 
     @cached_property
     def order(self) -> Order:
@@ -99,6 +102,11 @@ class Sold:
 
 class SaleRestarted(Exception):
     """The item's sale was restarted since the item was read: read it again and retry."""
+
+
+class Fenced(Exception):
+    """The item row refused the sale's fencing token: it has accepted a later holder's of the
+    same lock, so this holder's lock expired under it. Nothing was written."""
 
 
 class HalfDone(Exception):
@@ -133,6 +141,14 @@ def sell(order: SaleRecorder, allocation: Allocation) -> Sold | None:
     `set_stock` replaces the item row's guarded decrement by an absolute, unguarded write: the
     lost update that `unsafe` and the pitfall lab's trust-the-lock demonstrate.
 
+    Fencing: a sale made under a lock passes the lock's fencing token (`fence` for the item
+    row, `shard_fences` for each stock row). A row refuses it when it has accepted a later
+    token (a later holder of the lock has written: this one's lock expired under it) and
+    otherwise records it, so a holder paused past its lock's TTL cannot write when it wakes.
+    Writes under no lock (the fallback, `lua`, restocks, give-backs) leave the token alone. An
+    item row that refused the token raises Fenced (a stock row's refusal returns None, as a
+    short row's does).
+
     Raises IntegrityError when the allowance would pass the limit (constraint
     `allowance_within_limit`) or the idempotency key is taken, and RowLockTimeout when a row
     it must write stayed locked by another transaction for FLASHSALE_ROW_LOCK_TIMEOUT_MS (then
@@ -143,9 +159,14 @@ def sell(order: SaleRecorder, allocation: Allocation) -> Sold | None:
     shard_units, set_stock = allocation.shard_units, allocation.set_stock
     expected_version, limit = allocation.expected_version, order.limit
     served_by, fallback = allocation.strategy, order.fallback or allocation.fallback
+    fence, shard_fences = allocation.fence, allocation.shard_fences
     shards = sorted((shard_units or {}).items())
-    if shards and (expected_version is not None or set_stock is not None):
-        raise ValueError("a sale from stock rows takes no item version and no absolute stock")
+    if shards and (expected_version is not None or set_stock is not None or fence is not None):
+        raise ValueError(
+            "a sale from stock rows takes no item version, absolute stock or item fence"
+        )
+    if shard_fences is not None and set(shard_fences) != {index for index, _ in shards}:
+        raise ValueError("shard_fences names a fence for each row the sale takes from")
     if bool(shards) != bool(item.shard_count):
         raise ValueError(
             f"{item.sku} keeps {item.shard_count} stock rows: "
@@ -168,16 +189,20 @@ def sell(order: SaleRecorder, allocation: Allocation) -> Sold | None:
         "limit": limit,
         "set_stock": set_stock,
         "version": expected_version,
+        "fence": fence,
         "lock_timeout": f"{int(settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS)}ms",
     }
     for n, (index, taken) in enumerate(shards):
         params[f"si{n}"] = index
         params[f"su{n}"] = taken
+        if shard_fences is not None:
+            params[f"sf{n}"] = shard_fences[index]
     sql = _sale_sql(
         len(shards),
         absolute=set_stock is not None,
         versioned=expected_version is not None,
         limited=limit is not None,
+        fenced=fence is not None or shard_fences is not None,
     )
     try:
         with prepared_cursor() as cursor:
@@ -194,6 +219,8 @@ def sell(order: SaleRecorder, allocation: Allocation) -> Sold | None:
     if order_id is None:
         if current_sale != item.current_sale_id:
             raise SaleRestarted(f"{item.sku}: sale {item.current_sale_id} is over")
+        if fence is not None and row[3] > fence:
+            raise Fenced(f"{item.sku}: the item row has accepted a later lock holder's sale")
         return None
     fields = order.order_fields(
         order_id=order_id,
@@ -203,8 +230,14 @@ def sell(order: SaleRecorder, allocation: Allocation) -> Sold | None:
         shard_units=units,
         placed_at=now,
     )
-    levels = {int(index): left for index, left in (row[3] or {}).items()} if shards else {}
-    return Sold(item=item, order_fields=fields, item_stock=item_stock, shard_levels=levels)
+    rows = {int(index): pair for index, pair in (row[3] or {}).items()} if shards else {}
+    return Sold(
+        item=item,
+        order_fields=fields,
+        item_stock=item_stock,
+        shard_levels={index: left for index, (left, _) in rows.items()},
+        shard_versions={index: version for index, (_, version) in rows.items()},
+    )
 
 
 def sell_batch(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -360,7 +393,9 @@ class _PreparedDebugWrapper(CursorDebugWrapper):
 
 
 @cache
-def _sale_sql(shard_count: int, *, absolute: bool, versioned: bool, limited: bool) -> str:
+def _sale_sql(
+    shard_count: int, *, absolute: bool, versioned: bool, limited: bool, fenced: bool
+) -> str:
     """The text of the sale statement for one shape of sale (built once per shape)."""
     # Bounds every row-lock wait of this statement (and of the transaction it is part of): the
     # setting is made by a one-time filter of each UPDATE, before it scans, so before any wait.
@@ -373,8 +408,10 @@ def _sale_sql(shard_count: int, *, absolute: bool, versioned: bool, limited: boo
     )
     ctes += [
         f"s{n} AS (UPDATE {_SHARD} SET stock = stock - %(su{n})s, version = version + 1"
-        f" WHERE sale_id = %(sale)s AND index = %(si{n})s AND stock >= %(su{n})s{bounded}"
-        f"{current} RETURNING index, stock)"
+        + (f", fence = %(sf{n})s" if fenced else "")
+        + f" WHERE sale_id = %(sale)s AND index = %(si{n})s AND stock >= %(su{n})s{bounded}"
+        + (f" AND fence <= %(sf{n})s" if fenced else "")
+        + f"{current} RETURNING index, stock, version)"
         for n in range(shard_count)
     ]
     if shard_count:
@@ -387,6 +424,9 @@ def _sale_sql(shard_count: int, *, absolute: bool, versioned: bool, limited: boo
             assignment, guard = "stock = stock - %(qty)s", f" AND stock >= %(qty)s{bounded}"
         if versioned:
             guard += " AND version = %(version)s"
+        if fenced:
+            assignment += ", fence = %(fence)s"
+            guard += " AND fence <= %(fence)s"
         ctes.append(
             f"taken AS (UPDATE {_ITEM} SET {assignment}, version = version + 1"
             f" WHERE id = %(item)s AND current_sale_id = %(sale)s{guard} RETURNING stock)"
@@ -410,13 +450,20 @@ def _sale_sql(shard_count: int, *, absolute: bool, versioned: bool, limited: boo
         "(SELECT stock FROM taken)",
         f"(SELECT current_sale_id FROM {_ITEM} WHERE id = %(item)s)",
     ]
+    if fenced and not shard_count:
+        columns.append(f"(SELECT fence FROM {_ITEM} WHERE id = %(item)s)")
     if shard_count:
-        levels = " UNION ALL ".join(f"SELECT index, stock FROM s{n}" for n in range(shard_count))
+        levels = " UNION ALL ".join(
+            f"SELECT index, stock, version FROM s{n}" for n in range(shard_count)
+        )
         parts = " + ".join(
             ["(SELECT count(*) FROM taken)"]
             + [f"(SELECT count(*) FROM s{n})" for n in range(shard_count)]
         )
-        columns.append(f"(SELECT json_object_agg(index, stock) FROM ({levels}) AS levels)")
+        columns.append(
+            "(SELECT json_object_agg(index, json_build_array(stock, version))"
+            f" FROM ({levels}) AS levels)"
+        )
         columns.append(f"inventory_all_or_nothing(({parts})::int, {shard_count + 1})")
     return f"WITH {', '.join(ctes)} SELECT {', '.join(columns)}"
 
@@ -470,6 +517,19 @@ def shard_stocks(sale_id: int | None, *, for_update: bool = False) -> dict[int, 
     if for_update:
         shards = shards.select_for_update()
     return dict(shards.values_list("index", "stock"))
+
+
+def shard_rows(sale_id: int | None, indexes: Iterable[int] | None = None) -> dict[int, StockRow]:
+    """Units and version of each stock row of a sale (of those in `indexes`, when given)."""
+    if sale_id is None:
+        return {}
+    shards = StockShard.objects.filter(sale_id=sale_id)
+    if indexes is not None:
+        shards = shards.filter(index__in=list(indexes))
+    return {
+        index: StockRow(stock=stock, version=version)
+        for index, stock, version in shards.values_list("index", "stock", "version")
+    }
 
 
 def plan_rows(levels: dict[int, int], qty: int) -> dict[int, int]:

@@ -92,6 +92,7 @@ class StockCounter:
         self._give_back = scripts.script_for(redis, scripts.STOCK_GIVE_BACK)
         self._give_back_once = scripts.script_for(redis, scripts.STOCK_GIVE_BACK_ONCE)
         self._delete_if_equal = scripts.script_for(redis, scripts.DELETE_IF_EQUAL)
+        self._set_newer = scripts.script_for(redis, scripts.STOCK_SET_NEWER)
 
     def take(self, key: str, qty: int) -> int:
         """Decrement ``key`` by ``qty`` if it holds at least ``qty``.
@@ -182,12 +183,14 @@ class StockCounter:
         start: int,
         token: str,
         ttl_ms: int,
-    ) -> tuple[int | None, list[int]]:
+    ) -> tuple[int | None, list[int], int | None]:
         """Lock, in one script, the first row (from ``start``, in turn) whose counter holds
-        ``qty`` and whose lock is free (``SET NX PX``; hold it with ``Lock.adopt(token)``).
+        ``qty`` and whose lock is free (``SET NX PX``, and the grant's fencing token: hold it
+        with ``Lock.adopt(token, fence)``).
 
         Returns (that row's position, or -1 when every row holding qty is locked or none does;
-        the counters' levels), or (None, []) when a counter does not exist (nothing locked).
+        the counters' levels; the fence of the lock taken, None when none was), or
+        (None, [], None) when a counter does not exist (nothing locked).
         """
         if len(counters) != len(locks) or not counters:
             raise ValueError("one lock per counter, and at least one of each")
@@ -197,8 +200,9 @@ class StockCounter:
             client=self.redis,
         )
         if reply[0] == self.MISSING:
-            return None, []
-        return int(reply[0]), [int(level) for level in reply[1:]]
+            return None, [], None
+        row = int(reply[0])
+        return row, [int(level) for level in reply[2:]], int(reply[1]) if row >= 0 else None
 
     def release_claim(self, claim: Claim) -> None:
         """Give up ``claim`` if it is still this taker's (a twin may take again); nothing to
@@ -249,6 +253,38 @@ class StockCounter:
         if mapping:
             self.redis.mset({key: _stock_value(value) for key, value in mapping.items()})
 
+    def set_newer(
+        self,
+        levels: Mapping[str, tuple[int, int]],
+        *,
+        create: bool = True,
+        force: bool = False,
+    ) -> int:
+        """Set each counter to its value unless it holds a value of a later version already
+        (one script; each counter's version is kept in ``<key>:version``).
+
+        ``levels`` maps a counter to (value, version): a non-negative value and the version
+        of the record it was read from, which grows with every change of that record. Writers
+        racing to copy the same records, each what it read, leave every counter at its
+        latest. ``create=False`` leaves missing counters missing; ``force`` sets them whatever
+        version they hold (a repair). Returns how many counters were set.
+        """
+        if not levels:
+            return 0
+        args: list[int] = [int(create), int(force)]
+        for value, version in levels.values():
+            if isinstance(version, bool) or not isinstance(version, int):
+                raise ValueError(f"version must be an int, got {version!r}")
+            args += [_stock_value(value), version]
+        names = list(levels)
+        return int(
+            self._set_newer(
+                keys=[*names, *(version_key(name) for name in names)],
+                args=args,
+                client=self.redis,
+            )
+        )
+
     def get(self, key: str) -> int | None:
         """Current value of ``key``, None if it does not exist."""
         raw = self.redis.get(key)
@@ -260,6 +296,11 @@ class StockCounter:
         if not keys:
             return []
         return [None if raw is None else int(raw) for raw in self.redis.mget(keys)]
+
+
+def version_key(key: str) -> str:
+    """Where :meth:`StockCounter.set_newer` keeps the version of ``key``'s value."""
+    return f"{key}:version"
 
 
 def _stock_value(value: int) -> int:

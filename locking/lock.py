@@ -12,6 +12,11 @@ Differences from redis-py's lock, all invisible to code written against redis-py
   TTL, so a lock whose holder died is taken as soon as it expires.
 * A ``SET`` or a script that times out on the client may still run on the server; a
   ``GET`` then decides whether the lock is ours.
+* Every grant hands out a fencing token, :attr:`Lock.fence`: a number that grows with each
+  grant of the lock's name, across holders, processes and Redis restarts. A store written
+  under the lock that refuses tokens older than the newest it has accepted cannot be written
+  by a holder that was paused past its TTL (a GC pause, SIGSTOP, a swapped-out VM): the
+  watchdog cannot help there, it was paused too.
 * An optional watchdog keeps the TTL short while the holder is alive and reports,
   through :attr:`Lock.lost` and ``on_lost``, when the lock slipped away. Its thread is
   started only once the lock has been held for one renewal interval (``timeout / 3``):
@@ -52,6 +57,11 @@ WAKE_TTL_MS = 3000
 #: still hand the dead waiter the lock.
 QUEUE_GRACE_MS = 1000
 
+#: Told of every watchdog renewal of this process's locks: called as ``listener(lock, renewed)``
+#: from the watchdog's thread, ``renewed`` False when the renewal failed and the lock is taken
+#: for lost (an application's metrics, say). A listener that raises is logged and ignored.
+watchdog_listeners: list[Callable[[Lock, bool], object]] = []
+
 #: BLPOP treats 0 as "block forever"; every wait is clamped to at least this.
 MIN_WAIT = 0.001
 
@@ -91,6 +101,7 @@ class _ThreadState(threading.local):
 
     token: bytes | None = None
     lease: _Lease | None = None
+    fence: int | None = None
 
 
 class Lock:
@@ -121,12 +132,20 @@ class Lock:
       crashed; without a ``timeout`` it never does.
     * Tokens must be unique per acquisition (the default uuid4 tokens are): a queued
       token is how a release finds its waiter.
+    * ``fence`` is the fencing token of the current acquisition (None when not held): it is
+      greater than the fence of every earlier grant of this lock name, so a guarded write
+      that records the greatest fence it accepted (``... WHERE fence <= %(fence)s``) refuses
+      an earlier holder that woke up late. It is ``max(last + 1, the Redis server's time in
+      microseconds)``, so it keeps growing after Redis restarted empty, as long as the
+      server's clock did not step back across the restart; a reentrant acquisition keeps
+      the first one's fence.
     * ``timeout`` (seconds) is the lock's TTL. Without a watchdog the lock simply
       expires after it, even if the holder is still working: check :meth:`owned` or
       :meth:`ensure_held` before committing work. ``None`` means no TTL.
     * ``blocking``/``blocking_timeout`` behave as in redis-py: ``acquire`` returns False
       once ``blocking_timeout`` seconds have passed (``None``: wait forever). A
-      non-blocking ``acquire`` makes a single ``SET NX`` and never queues.
+      non-blocking ``acquire`` runs a single script (``SET NX`` and the fence) and never
+      queues.
     * ``sleep`` is accepted for compatibility only: waiting is event-driven (BLPOP on the
       waiter's own wake key), so no poll interval delays an acquisition.
     * ``max_wait_slice`` bounds a single BLPOP, which bounds the delay when a wake is
@@ -217,9 +236,11 @@ class Lock:
         self.waiters_name = f"{name}:waiters"
         # Built from the encoded name, as the release script builds it from KEYS[1].
         self._wake_prefix = redis.get_encoder().encode(name) + b":wake:"
+        self._fence_name = redis.get_encoder().encode(name) + b":fence"
         self.local: Any = _ThreadState() if self.thread_local else SimpleNamespace()
         self.local.token = None
         self.local.lease = None
+        self.local.fence = None
         self._take_or_queue_script = scripts.script_for(redis, scripts.TAKE_OR_QUEUE)
         self._cancel_script = scripts.script_for(redis, scripts.CANCEL)
         self._release_script = scripts.script_for(redis, scripts.RELEASE)
@@ -276,7 +297,7 @@ class Lock:
                 pass  # it expired meanwhile: nothing of ours to give up
             return False
         if self.reentrant:
-            _reentries.held[self._reentry_key] = [self.local.token, 1]
+            _reentries.held[self._reentry_key] = [self.local.token, 1, self.local.fence]
         return True
 
     def _take_again(self) -> bool:
@@ -295,6 +316,7 @@ class Lock:
             return False
         held[1] += 1
         self.local.token = token
+        self.local.fence = held[2]
         return True
 
     def _acquire(
@@ -313,9 +335,9 @@ class Lock:
             blocking_timeout = self.blocking_timeout
 
         if not blocking:
-            acquired, _ = self._attempt(token_bytes)
+            acquired, _, fence = self._take_or_queue(token_bytes, 0)
             if acquired:
-                self._took(token_bytes)
+                self._took(token_bytes, fence)
             return acquired
 
         deadline = None if blocking_timeout is None else time.monotonic() + blocking_timeout
@@ -328,13 +350,13 @@ class Lock:
                 left_ms = int((deadline - time.monotonic()) * 1000)
                 if left_ms <= 0:
                     if queued:
-                        return self._give_up(token_bytes)
+                        return self._give_up(token_bytes) is not None
                     valid_ms = 0  # out of time already: one attempt, never queued
                 else:
                     valid_ms = min(entry_ms, left_ms)
-            acquired, pttl = self._take_or_queue(token_bytes, valid_ms)
+            acquired, pttl, fence = self._take_or_queue(token_bytes, valid_ms)
             if acquired:
-                self._took(token_bytes)
+                self._took(token_bytes, fence)
                 return True
             if valid_ms == 0:
                 return False
@@ -348,9 +370,10 @@ class Lock:
                 wait = min(wait, pttl / 1000)
             if deadline is not None:
                 wait = min(wait, deadline - time.monotonic())
-            if self._wait_for_handoff(token_bytes, wait):
+            fence = self._wait_for_handoff(token_bytes, wait)
+            if fence is not None:
                 # The release set the lock to our token before pushing our wake.
-                self._took(token_bytes)
+                self._took(token_bytes, fence)
                 return True
 
     def _replicated(self) -> bool:
@@ -364,85 +387,81 @@ class Lock:
         ours, acknowledged = pipe.execute()
         return bool(ours) and int(acknowledged) >= self.replicas
 
-    def adopt(self, token: str | bytes) -> None:
+    def adopt(self, token: str | bytes, fence: int | None = None) -> None:
         """Hold the lock as if ``acquire`` had just taken it with ``token``.
 
         For a caller whose own script took the lock (``SET name token NX PX`` with this
-        lock's TTL) in the same step as something else, e.g. choosing which of several locks
-        to take. The watchdog, ``release`` and ``owned`` then work as after ``acquire``.
+        lock's TTL, and the grant's fencing token, ``fence``) in the same step as something
+        else, e.g. choosing which of several locks to take. The watchdog, ``release``,
+        ``owned`` and ``fence`` then work as after ``acquire``.
         """
-        self._took(self.redis.get_encoder().encode(token))
+        self._took(self.redis.get_encoder().encode(token), fence)
 
-    def _attempt(self, token: bytes) -> tuple[bool, int]:
-        """One ``SET NX PX``; return (acquired, PTTL of the lock when not acquired)."""
-        try:
-            if self.redis.set(self.name, token, nx=True, px=self._ttl_ms()):
-                return True, 0
-        except RedisTimeoutError:
-            # The client gave up waiting, but the SET may have run (or may still run)
-            # on the server: only the stored value tells whether the lock is ours.
-            pass
-        # A failed SET is read back too: a client that retries commands after a
-        # timeout can see its own earlier SET make the retried SET NX fail.
-        return self._read_back(token)
-
-    def _take_or_queue(self, token: bytes, valid_ms: int) -> tuple[bool, int]:
+    def _take_or_queue(self, token: bytes, valid_ms: int) -> tuple[bool, int, int | None]:
         """Take the lock if free, else queue ``token`` for ``valid_ms`` (0: do not queue).
 
-        Returns (acquired, PTTL of the lock when not acquired).
+        Returns (acquired, PTTL of the lock when not acquired, the fence when acquired).
         """
         try:
-            acquired, pttl = self._take_or_queue_script(
+            acquired, pttl, *fence = self._take_or_queue_script(
                 keys=[self.name, self.queue_name, self.waiters_name, self._wake_key(token)],
                 args=[token, self._ttl_ms() or 0, valid_ms],
                 client=self.redis,
             )
-            return bool(acquired), int(pttl)
+            return bool(acquired), int(pttl), int(fence[0]) if acquired else None
         except RedisTimeoutError:
-            # As with the SET: the script may have run, or may still run. If it queued
+            # The client gave up waiting, but the script may have run (or may still run) on
+            # the server: only the stored value tells whether the lock is ours. If it queued
             # us, the wait below or the withdrawal when we give up takes care of it.
             return self._read_back(token)
 
-    def _read_back(self, token: bytes) -> tuple[bool, int]:
+    def _read_back(self, token: bytes) -> tuple[bool, int, int | None]:
         # If this read fails the error propagates: Redis is unusable for now.
         pipe = self.redis.pipeline(transaction=False)
         pipe.get(self.name)
         pipe.pttl(self.name)
-        stored, pttl = pipe.execute()
+        pipe.get(self._fence_name)
+        stored, pttl, fence = pipe.execute()
         if self._is_token(stored, token):
-            # A release may have pushed a wake for us meanwhile: nobody will read it.
+            # A release may have pushed a wake for us meanwhile: nobody will read it. The
+            # lock holds our token, so its latest grant, and fence, was ours.
             self.redis.delete(self._wake_key(token))
-            return True, 0
-        return False, int(pttl)
+            return True, 0, int(fence or 0)
+        return False, int(pttl), None
 
-    def _give_up(self, token: bytes) -> bool:
-        """Withdraw from the queue; True if a release handed us the lock just before."""
+    def _give_up(self, token: bytes) -> int | None:
+        """Withdraw from the queue; the fence if a release handed us the lock just before,
+        else None."""
         keys: list[str | bytes] = [self.name, self.queue_name, self.waiters_name]
         keys.append(self._wake_key(token))
         try:
-            kept = bool(self._cancel_script(keys=keys, args=[token], client=self.redis))
+            kept, fence = self._cancel_script(keys=keys, args=[token], client=self.redis)
         except RedisTimeoutError:
             # The withdrawal may have run, or may still run. Running it again reads the
             # key and withdraws in one step, so its answer is final whichever of the two
             # runs first: after either one, no release can hand us the lock any more.
             # If this one fails too, the error propagates (see release()).
-            kept = bool(self._cancel_script(keys=keys, args=[token], client=self.redis))
-        if kept:
-            self._took(token)
-        return kept
+            kept, fence = self._cancel_script(keys=keys, args=[token], client=self.redis)
+        if not kept:
+            return None
+        self._took(token, int(fence))
+        return int(fence)
 
-    def _wait_for_handoff(self, token: bytes, seconds: float) -> bool:
-        """Block on our wake key; True once a release has handed us the lock."""
+    def _wait_for_handoff(self, token: bytes, seconds: float) -> int | None:
+        """Block on our wake key; once a release has handed us the lock, the fence it
+        granted us (pushed onto the wake), else None."""
         # Milliseconds are Redis' resolution; rounding also keeps the float out of
         # exponent notation.
         seconds = round(max(seconds, MIN_WAIT), 3)
         try:
-            return self.redis.blpop([self._wake_key(token)], timeout=seconds) is not None
+            woken = self.redis.blpop([self._wake_key(token)], timeout=seconds)
         except RedisTimeoutError:
             # Only the client's socket timeout fired; it means no wake came in time (a
             # wake popped by the lost reply is not lost: the next script finds the lock
-            # holding our token). The next script will surface a Redis that is gone.
-            return False
+            # holding our token, and its fence). The next script will surface a Redis that
+            # is gone.
+            return None
+        return None if woken is None else int(woken[1])
 
     def _wake_key(self, token: bytes) -> bytes:
         return self._wake_prefix + token
@@ -459,10 +478,11 @@ class Lock:
             stored = self.redis.get_encoder().encode(stored)
         return stored == token
 
-    def _took(self, token: bytes) -> None:
+    def _took(self, token: bytes, fence: int | None) -> None:
         self._stop_watchdog()
         lease = _Lease(token)
         self.local.token = token
+        self.local.fence = fence
         self.local.lease = lease
         if self.watchdog:
             self._start_watchdog(lease)
@@ -476,6 +496,11 @@ class Lock:
     def owned(self) -> bool:
         """True if this lock's token (in this thread) is the one stored (one GET)."""
         return self._is_token(self.redis.get(self.name), self.local.token)
+
+    @property
+    def fence(self) -> int | None:
+        """The fencing token of the current acquisition (in this thread), None when not held."""
+        return self.local.fence
 
     @property
     def lost(self) -> bool:
@@ -511,6 +536,7 @@ class Lock:
                 lock_name=self.name,
             )
         self.local.token = None
+        self.local.fence = None
         if self.reentrant:
             held = _reentries.held.get(self._reentry_key)
             if held is not None and held[0] == expected:
@@ -705,6 +731,7 @@ def _renew(lock_ref: weakref.ref[Lock], lease: _Lease, ttl_ms: int) -> bool:
         return False
     try:
         if lock._pexpire(lease.token, ttl_ms, True):
+            _tell_listeners(lock, renewed=True)
             return True
     except RedisError:
         logger.warning("Watchdog could not renew lock %r", lock.name, exc_info=True)
@@ -714,6 +741,7 @@ def _renew(lock_ref: weakref.ref[Lock], lease: _Lease, ttl_ms: int) -> bool:
         lease.lost = True
         lease.stop.set()
     logger.warning("Lock %r was lost while held", lock.name)
+    _tell_listeners(lock, renewed=False)
     if lock.thread_local:
         # This thread serves this acquisition only: let code in on_lost see it through
         # the thread-local attributes (lost, owned()).
@@ -725,6 +753,14 @@ def _renew(lock_ref: weakref.ref[Lock], lease: _Lease, ttl_ms: int) -> bool:
         except Exception:
             logger.exception("on_lost callback of lock %r failed", lock.name)
     return False
+
+
+def _tell_listeners(lock: Lock, *, renewed: bool) -> None:
+    for listener in watchdog_listeners:
+        try:
+            listener(lock, renewed)
+        except Exception:
+            logger.exception("watchdog listener %r failed", listener)
 
 
 def _default_slice(client: Any) -> float:

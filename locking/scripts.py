@@ -18,29 +18,61 @@ from redis.commands.core import Script
 #   <name>:queue          list of waiting tokens, oldest first (FIFO order)
 #   <name>:waiters        hash token -> "<deadline ms> <ttl ms>" for every queued token
 #   <name>:wake:<token>   one waiter's wake: the release that hands it the lock pushes here
+#                         the fence it was granted
+#   <name>:fence          the fencing token of the lock's latest grant (see grant_fence)
 # A token is in the list exactly when it is in the hash; every script below changes both
 # together. The deadline is Redis server time (TIME), so waiters' clocks do not matter.
 # The list and the hash share one expiry, never shorter than the latest deadline of an
 # entry; a wake key lives a few seconds. Nothing outlives the waiters that created it.
 # TIME followed by writes needs effects replication, the default since Redis 5 (and the
 # only mode since 7), so no script calls redis.replicate_commands().
-# The release script builds the next waiter's wake key from the lock name, a key it is not
-# passed in KEYS: the scripts suit a single Redis (or one with all keys on one node), not a
-# Redis Cluster.
+# The release script builds the next waiter's wake key from the lock name, and every grant the
+# fence key, keys they are not passed in KEYS: the scripts suit a single Redis (or one with all
+# keys on one node), not a Redis Cluster.
+
+# Every script that grants a lock (to a caller, to a queued waiter, to the first free shard)
+# also hands out a fencing token: a number that grows with every grant of that lock name, so
+# that a store written under the lock can refuse a write whose token is older than one it has
+# accepted (a holder that was paused past its TTL and wakes up believing it still holds the
+# lock). It is max(last + 1, Redis server TIME in microseconds): it grows by at least one per
+# grant, and it goes on growing when Redis restarted empty (or the key expired), since the
+# server's clock has moved on meanwhile; a replica promoted in a failover has the replicated
+# last value. The key is the one helper key that outlives the lock: it lives an hour after
+# the last grant, so that the fence goes on growing even if the server's clock steps back
+# (by less than the time since the previous grant, once the key is gone). The holder learns
+# its fence when it is granted (or, for a holder whose lock holds its token, from the key:
+# the latest grant was its).
+# A Lua number holds integers exactly up to 2^53, about 285 years of microseconds.
+_GRANT_FENCE_FUNCTION = """
+local function grant_fence(lock)
+    local key = lock .. ':fence'
+    local last = tonumber(redis.call('get', key)) or 0
+    local now = redis.call('time')
+    local fence = math.max(last + 1, tonumber(now[1]) * 1000000 + tonumber(now[2]))
+    redis.call('set', key, string.format('%.0f', fence), 'PX', 3600000)
+    return fence
+end
+local function current_fence(lock)
+    return tonumber(redis.call('get', lock .. ':fence')) or 0
+end
+"""
 
 # KEYS[1] lock name, KEYS[2] queue, KEYS[3] waiters, KEYS[4] this waiter's wake key
 # ARGV[1] owner token, ARGV[2] lock TTL in ms ("0": none),
 # ARGV[3] how long a queue entry stays valid, in ms ("0": take the lock if free, never queue)
-# Returns {1, 0} when the lock is ours: it was free and is now set to ARGV[1], or it
-# already held ARGV[1] (handed over to us, or an earlier run of this very call, whose reply
-# was lost, took it). Our queue entry and wake are dropped then.
+# Returns {1, 0, fence} when the lock is ours: it was free and is now set to ARGV[1] (a new
+# grant: fence is its fencing token), or it already held ARGV[1] (handed over to us, or an
+# earlier run of this very call, whose reply was lost, took it: fence is that grant's). Our
+# queue entry and wake are dropped then.
 # Otherwise returns {0, PTTL of the lock} and, when ARGV[3] > 0, makes sure ARGV[1] is
 # queued: appended at the tail the first time, its deadline (TIME + ARGV[3]) refreshed in
 # place on later calls, so one acquisition never holds two places.
 # A free lock is taken even when others are queued (it only happens when the last holder's
 # lock expired, or no queued entry was still valid at its release): queued waiters are
 # woken no later than the expiry and retry, so nobody waits forever.
-TAKE_OR_QUEUE = """
+TAKE_OR_QUEUE = (
+    _GRANT_FENCE_FUNCTION
+    + """
 local held = redis.call('get', KEYS[1])
 if held and held ~= ARGV[1] then
     local ttl = redis.call('pttl', KEYS[1])
@@ -58,19 +90,24 @@ if held and held ~= ARGV[1] then
     end
     return {0, ttl}
 end
-if not held then
+local fence
+if held then
+    fence = current_fence(KEYS[1])
+else
     if ARGV[2] == '0' then
         redis.call('set', KEYS[1], ARGV[1])
     else
         redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
     end
+    fence = grant_fence(KEYS[1])
 end
 if redis.call('hdel', KEYS[3], ARGV[1]) == 1 then
     redis.call('lrem', KEYS[2], 1, ARGV[1])
 end
 redis.call('del', KEYS[4])
-return {1, 0}
+return {1, 0, fence}
 """
+)
 
 # KEYS[1] lock name, KEYS[2] queue, KEYS[3] waiters
 # ARGV[1] owner token, ARGV[2] wake key lifetime (ms)
@@ -79,11 +116,14 @@ return {1, 0}
 # handed the lock later). Otherwise:
 # * hands the lock over: pops the queue head, skipping entries whose deadline (server
 #   TIME) has passed, sets the lock to that waiter's token with that waiter's TTL, pushes
-#   the waiter's own wake and returns 2. The waiter owns the lock from this moment on,
-#   without a round trip of its own; a waiter that died while queued is handed the lock
-#   all the same, which then expires after its TTL like a crashed holder's.
+#   the waiter's fencing token (a new grant) onto its own wake and returns 2. The waiter
+#   owns the lock from this moment on, without a round trip of its own; a waiter that died
+#   while queued is handed the lock all the same, which then expires after its TTL like a
+#   crashed holder's.
 # * deletes the lock when no valid entry is queued, and returns 1.
-RELEASE = """
+RELEASE = (
+    _GRANT_FENCE_FUNCTION
+    + """
 if redis.call('get', KEYS[1]) ~= ARGV[1] then
     if redis.call('hdel', KEYS[3], ARGV[1]) == 1 then
         redis.call('lrem', KEYS[2], 1, ARGV[1])
@@ -112,7 +152,7 @@ while true do
                 redis.call('set', KEYS[1], waiter, 'PX', ttl)
             end
             local wake = KEYS[1] .. ':wake:' .. waiter
-            redis.call('rpush', wake, '1')
+            redis.call('rpush', wake, string.format('%.0f', grant_fence(KEYS[1])))
             redis.call('pexpire', wake, ARGV[2])
             return 2
         end
@@ -121,23 +161,27 @@ end
 redis.call('del', KEYS[1])
 return 1
 """
+)
 
 # KEYS[1] lock name, KEYS[2] queue, KEYS[3] waiters, KEYS[4] this waiter's wake key
 # ARGV[1] owner token
-# A waiter giving up. Returns 1 when the lock holds ARGV[1] (a release handed it over
-# just now): the waiter keeps it. Returns 0 otherwise. Either way the waiter's queue entry
-# and wake are gone afterwards, so no later release can hand it the lock: whatever this
-# script answers is final.
-CANCEL = """
+# A waiter giving up. Returns {1, fence} when the lock holds ARGV[1] (a release handed it
+# over just now, with that fencing token): the waiter keeps it. Returns {0, 0} otherwise.
+# Either way the waiter's queue entry and wake are gone afterwards, so no later release can
+# hand it the lock: whatever this script answers is final.
+CANCEL = (
+    _GRANT_FENCE_FUNCTION
+    + """
 if redis.call('hdel', KEYS[3], ARGV[1]) == 1 then
     redis.call('lrem', KEYS[2], 1, ARGV[1])
 end
 redis.call('del', KEYS[4])
 if redis.call('get', KEYS[1]) == ARGV[1] then
-    return 1
+    return {1, current_fence(KEYS[1])}
 end
-return 0
+return {0, 0}
 """
+)
 
 # KEYS[1] lock name
 # ARGV[1] owner token, ARGV[2] milliseconds, ARGV[3] "1" to replace the TTL with
@@ -405,12 +449,15 @@ return removed
 # ARGV[1] quantity, ARGV[2] the row to try first (0-based), ARGV[3] owner token,
 # ARGV[4] lock TTL in ms
 # Returns {-2} when a counter does not exist (nothing locked). Otherwise
-# {row, level of row 0, ..., level of row n-1}: row is the first at or after ARGV[2], in turn,
-# whose counter holds the quantity and whose lock was free, now locked with the token
+# {row, fence, level of row 0, ..., level of row n-1}: row is the first at or after ARGV[2],
+# in turn, whose counter holds the quantity and whose lock was free, now locked with the token
 # (SET NX PX, as a non-blocking acquire of locking.Lock does: a lock with waiters queued is
 # never free, a release hands it over), or -1 when every such row is locked (or none holds the
-# quantity). Choosing the row and locking it in one script saves a round trip per sale.
-LOCK_FIRST_HOLDING = """
+# quantity); fence is the fencing token of that row's lock's grant (0 when none was locked).
+# Choosing the row and locking it in one script saves a round trip per sale.
+LOCK_FIRST_HOLDING = (
+    _GRANT_FENCE_FUNCTION
+    + """
 local n = #KEYS / 2
 local levels = redis.call('mget', unpack(KEYS, 1, n))
 for i = 1, n do
@@ -422,24 +469,23 @@ end
 local qty = tonumber(ARGV[1])
 local start = tonumber(ARGV[2])
 local picked = -1
+local fence = 0
 for step = 0, n - 1 do
     local i = (start + step) % n + 1
     if levels[i] >= qty and redis.call('set', KEYS[n + i], ARGV[3], 'NX', 'PX', ARGV[4]) then
         picked = i - 1
+        fence = grant_fence(KEYS[n + i])
         break
     end
 end
-local reply = {picked}
+local reply = {picked, fence}
 for i = 1, n do
     reply[#reply + 1] = levels[i]
 end
 return reply
 """
+)
 
-# KEYS[1] stock counter
-# ARGV[1] quantity (positive integer)
-# Returns -2 when the counter does not exist (it stays missing: INCRBY would create it
-# and resurrect a counter that was deliberately removed), otherwise the new value.
 # KEYS[1] a key, ARGV[1] a value: deletes the key if it holds the value (a claim given up by
 # its taker, never one a twin set after it expired). Returns 1 if deleted, else 0.
 DELETE_IF_EQUAL = """
@@ -449,6 +495,35 @@ end
 return 0
 """
 
+# KEYS[1..n] counters, KEYS[n+1..2n] the version of each (the version of the value it holds)
+# ARGV[1] '1' to create missing counters, ARGV[2] '1' to overwrite whatever version is there,
+# then per counter its value and that value's version (integers)
+# Sets each counter (and its version) unless it already holds a value of a later version:
+# writers that each read a row's level and version from the database, in any order, leave the
+# counter at the latest (a copy of the same version rewrites it: it is as true). Without
+# ARGV[1] a missing counter stays missing.
+# Returns how many counters were set.
+STOCK_SET_NEWER = """
+local n = #KEYS / 2
+local create, force = ARGV[1] == '1', ARGV[2] == '1'
+local set = 0
+for i = 1, n do
+    local version = tonumber(ARGV[2 * i + 2])
+    local seen = tonumber(redis.call('get', KEYS[n + i]) or '-1')
+    local exists = redis.call('exists', KEYS[i]) == 1
+    if (exists or create) and (force or not exists or version >= seen) then
+        redis.call('set', KEYS[i], ARGV[2 * i + 1])
+        redis.call('set', KEYS[n + i], version)
+        set = set + 1
+    end
+end
+return set
+"""
+
+# KEYS[1] stock counter
+# ARGV[1] quantity (positive integer)
+# Returns -2 when the counter does not exist (it stays missing: INCRBY would create it
+# and resurrect a counter that was deliberately removed), otherwise the new value.
 STOCK_GIVE_BACK = """
 if redis.call('exists', KEYS[1]) == 0 then
     return -2

@@ -16,8 +16,8 @@ class Allocation:
     """What a checkout takes and where from, handed to the order recorder.
 
     The recorder writes it in one statement (`inventory.stock.sell`): the guarded decrement of
-    the item row (also of the shards in `shard_units`, and only at `expected_version` when
-    given), the buyer's allowance and the order row.
+    the item row (also of the shards in `shard_units`, and only at `expected_version` and
+    `fence` when given), the buyer's allowance and the order row.
     """
 
     strategy: str
@@ -26,6 +26,11 @@ class Allocation:
     expected_version: int | None = None
     #: Write this absolute stock instead of a guarded decrement (the `unsafe` lost update).
     set_stock: int | None = None
+    #: The fencing token of the lock the write is made under (`locking.Lock.fence`): the item
+    #: row refuses it when it has accepted a later one. None: a write under no fenced lock.
+    fence: int | None = None
+    #: The same per stock row in `shard_units` (each row's own lock's fence), or None.
+    shard_fences: dict[int, int] | None = None
 
     def as_fallback(self) -> Allocation:
         return replace(self, fallback=True)
@@ -99,8 +104,9 @@ class StockStrategy(ABC):
     def take(self, *, item: Item, qty: int, record: RecordOrder) -> Order:
         """Take qty units of item for buyer and record the order; see the class contract."""
 
-    def sync_redis(self, *, item: Item) -> None:  # noqa: B027 - optional hook
-        """Rebuild this strategy's Redis state for item from the database."""
+    def sync_redis(self, *, item: Item, force: bool = False) -> None:  # noqa: B027 - optional hook
+        """Rebuild this strategy's Redis state for item from the database. `force`: overwrite
+        what Redis holds even where it looks as new as the database (a repair)."""
 
     def return_units(self, *, item: Item, order: Order) -> None:  # noqa: B027 - optional hook
         """Give a failed or expired order's units back to this strategy's Redis state.

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from django.conf import settings
 
-from .. import keys
-from ..exceptions import Busy, SoldOut
+from .. import keys, metrics
+from ..exceptions import Busy, LockLost, SoldOut
 from ..models import Item, Order
-from ..stock import read_stock, simulate_work
+from ..stock import Fenced, read_stock, simulate_work
 from .base import Allocation, RecordOrder, StockStrategy
-from .plumbing import acquire_lock, ensure_still_held, new_lock, release_quietly
+from .plumbing import (
+    acquire_lock,
+    ensure_still_held,
+    fence_of,
+    new_lock,
+    release_quietly,
+)
 
 
 class LockStrategy(StockStrategy):
@@ -17,7 +23,9 @@ class LockStrategy(StockStrategy):
 
     The lock makes contention cheap: buyers queue in Redis, not on the item row. The write
     under it is still guarded (`stock >= qty`), so a holder whose lock expired mid-work, or the
-    database fallback writing from outside the lock while Redis recovers, cannot oversell.
+    database fallback writing from outside the lock while Redis recovers, cannot oversell; and
+    fenced (the lock's fencing token, which the row refuses once a later holder has written),
+    so a holder paused past its lock's TTL cannot write at all when it wakes.
     """
 
     name = "lock"
@@ -36,7 +44,7 @@ class LockStrategy(StockStrategy):
             item.stock = read_stock(item.pk).stock
             if item.stock < qty:
                 raise SoldOut(sku=item.sku, requested=qty, remaining=item.stock)
-        lock = new_lock(keys.item_lock(item))
+        lock = new_lock(keys.item_lock(item), strategy=self.name)
         if not acquire_lock(lock):
             raise Busy(
                 f"{item.sku}: lock still held after {settings.FLASHSALE_LOCK_WAIT_MS} ms",
@@ -45,7 +53,13 @@ class LockStrategy(StockStrategy):
         try:
             simulate_work()
             ensure_still_held(lock, item.sku)
-            sold = record(Allocation(strategy=self.name))
+            sold = record(Allocation(strategy=self.name, fence=fence_of(lock)))
+        except Fenced as refused:
+            metrics.LOCKS_LOST.labels(self.name, "fenced").inc()
+            raise LockLost(
+                f"lock lost before commit: {refused}",
+                retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+            ) from None
         finally:
             release_quietly(lock)
         if sold is None:

@@ -366,7 +366,7 @@ class LuaStrategy(StockStrategy):
             # reachable again restores them.
             logger.warning("could not give %s units of %s back: Redis is down", plan, item.sku)
 
-    def sync_redis(self, *, item: Item) -> None:
+    def sync_redis(self, *, item: Item, force: bool = False) -> None:
         plumbing.sync_rows(item)
 
     def return_units(self, *, item: Item, order: Order) -> None:

@@ -6,8 +6,10 @@ remembers a lock a Redis failure left in doubt, released on recovery) and given 
 `release_quietly`; `lock_wait_seconds` tells the API how long a checkout waited for them.
 
 Counters (`segmented`, `lua`): one per stock row of the current sale, what Redis believes the
-row holds. `segmented` keeps them as hints (set from the database by the lock holder after each
-commit); `lua` decides with them (its script takes units from them before the database write).
+row holds. `segmented` keeps them as hints, copied from the database with the row's version
+(`write_hints`: the lock holder after each commit, a give-back or restock after its commit; a
+copy never replaces a later one, whatever order they arrive in); `lua` decides with them (its
+script takes units from them before the database write, a give-back adds them back).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
 from functools import lru_cache
@@ -25,14 +28,15 @@ from django.conf import settings
 from django.utils.module_loading import import_string
 
 from locking import Lock, LockError, LockNotOwnedError, StockCounter
+from locking import lock as lock_module
 from locking.combining import GroupCommit
 
-from .. import keys
+from .. import keys, metrics
 from ..breaker import breaker
-from ..exceptions import Busy
+from ..exceptions import LockLost
 from ..models import Item, Order
 from ..redis_client import REDIS_DOWN_ERRORS, get_redis_client
-from ..stock import shard_stocks
+from ..stock import StockRow, shard_rows, shard_stocks
 
 logger = logging.getLogger(__name__)
 
@@ -40,21 +44,45 @@ logger = logging.getLogger(__name__)
 # -- locks ----------------------------------------------------------------------------------
 
 
-def new_lock(name: str) -> Lock:
-    """A lock configured from settings: TTL, how long to wait, watchdog renewal.
+#: The strategy and grant time of each lock this process holds or made (for its metrics).
+_lock_strategy: weakref.WeakKeyDictionary[Lock, str] = weakref.WeakKeyDictionary()
+_held_since: weakref.WeakKeyDictionary[Lock, float] = weakref.WeakKeyDictionary()
+
+
+def new_lock(name: str, *, strategy: str) -> Lock:
+    """A lock configured from settings: TTL, how long to wait, watchdog renewal; its waits and
+    holds are counted as `strategy`'s.
 
     Built by FLASHSALE_LOCK_FACTORY (`locking.Lock`, ours, unless set): the seam through which
     the benchmark runs the very code of `lock` and `segmented` with a peer's lock. A factory
     takes (client, name, *, timeout, blocking_timeout, watchdog) and returns an object with
     Lock's acquire(token=...), release(), owned(), `local.token`, `name` and `lost`.
     """
-    return _lock_factory(settings.FLASHSALE_LOCK_FACTORY)(
+    lock = _lock_factory(settings.FLASHSALE_LOCK_FACTORY)(
         get_redis_client(),
         name,
         timeout=settings.FLASHSALE_LOCK_TTL_MS / 1000,
         blocking_timeout=settings.FLASHSALE_LOCK_WAIT_MS / 1000,
         watchdog=settings.FLASHSALE_LOCK_WATCHDOG,
     )
+    _lock_strategy[lock] = strategy
+    return lock
+
+
+def _count_renewal(lock: Lock, renewed: bool) -> None:
+    strategy = _lock_strategy.get(lock, "none")
+    metrics.WATCHDOG_RENEWALS.labels(strategy, "renewed" if renewed else "failed").inc()
+
+
+if _count_renewal not in lock_module.watchdog_listeners:
+    lock_module.watchdog_listeners.append(_count_renewal)
+
+
+def adopt_lock(lock: Lock, token: str, fence: int | None) -> None:
+    """Hold `lock` as a script of the caller's took it (`Lock.adopt`): held from now, no wait."""
+    lock.adopt(token, fence)
+    metrics.LOCK_WAIT.labels(_lock_strategy.get(lock, "none")).observe(0.0)
+    _held_since[lock] = time.perf_counter()
 
 
 @lru_cache(maxsize=8)
@@ -69,9 +97,16 @@ def ensure_still_held(lock: Lock, sku: str) -> None:
     serves the checkout; if someone else holds it now, the buyer is told to retry.
     """
     if lock.lost and not lock.owned():
-        raise Busy(
+        metrics.LOCKS_LOST.labels(_lock_strategy.get(lock, "none"), "watchdog").inc()
+        raise LockLost(
             f"{sku}: lock lost before commit", retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER
         )
+
+
+def fence_of(lock: Lock) -> int | None:
+    """The fencing token of the lock's current acquisition, for the guarded write made under it;
+    None for a peer's lock (the benchmark's), which hands out none: its writes go unfenced."""
+    return getattr(lock, "fence", None)
 
 
 #: Locks this process may hold without knowing it: a SET NX or a release that timed out may
@@ -90,13 +125,21 @@ def acquire_lock(lock: Lock, **options: Any) -> bool:
     token = uuid.uuid4().hex.encode()
     started = time.perf_counter()
     try:
-        return lock.acquire(token=token, **options)
+        acquired = lock.acquire(token=token, **options)
     except REDIS_DOWN_ERRORS:
         with _unsettled_lock:
             _unsettled.add((lock.name, token))
         raise
     finally:
-        lock_wait_seconds.set(lock_wait_seconds.get() + time.perf_counter() - started)
+        now = time.perf_counter()
+        lock_wait_seconds.set(lock_wait_seconds.get() + now - started)
+    strategy = _lock_strategy.get(lock, "none")
+    if acquired:
+        metrics.LOCK_WAIT.labels(strategy).observe(now - started)
+        _held_since[lock] = now
+    elif options.get("blocking", True):
+        metrics.LOCK_TIMEOUTS.labels(strategy).inc()
+    return acquired
 
 
 def remember_unsettled(locks: Iterable[tuple[str, bytes]]) -> None:
@@ -108,6 +151,10 @@ def remember_unsettled(locks: Iterable[tuple[str, bytes]]) -> None:
 def release_quietly(lock: Lock) -> None:
     """Release after the work is done; by then a failure must not undo a committed order."""
     token = lock.local.token  # release() forgets it before it talks to Redis
+    held_since = _held_since.pop(lock, None)
+    if held_since is not None:
+        hold = time.perf_counter() - held_since
+        metrics.LOCK_HOLD.labels(_lock_strategy.get(lock, "none")).observe(hold)
     try:
         lock.release()
     except LockNotOwnedError:
@@ -170,6 +217,31 @@ def write_rows(item: Item, levels: dict[int, int]) -> list[int]:
 def sync_rows(item: Item) -> list[int]:
     """Set every row's counter from the database."""
     return write_rows(item, shard_stocks(item.current_sale_id))
+
+
+def write_hints(
+    item: Item, rows: dict[int, StockRow], *, create: bool = True, force: bool = False
+) -> list[int]:
+    """Copy the rows' levels read from the database to their counters, unless a counter holds
+    a later version of its row already (see `StockCounter.set_newer`); return every row's
+    level as given (0 where not given)."""
+    counter().set_newer(
+        {keys.row(item, index): (row.stock, row.version) for index, row in rows.items()},
+        create=create,
+        force=force,
+    )
+    return [rows[index].stock if index in rows else 0 for index in range(item.shard_count)]
+
+
+def refresh_hints(
+    item: Item,
+    indexes: Iterable[int] | None = None,
+    *,
+    create: bool = True,
+    force: bool = False,
+) -> list[int]:
+    """`write_hints` from the rows as the database holds them now (those in `indexes`)."""
+    return write_hints(item, shard_rows(item.current_sale_id, indexes), create=create, force=force)
 
 
 def add_to_rows(item: Item, units: dict[int, int]) -> None:

@@ -2,9 +2,12 @@
 
 Each shard's database row is the system of record for its units: a sale writes the row(s) of
 the shard(s) it took from and the order, never the item row, whose stock is derived from the
-shards. Redis holds a hint per shard, set from the database by the lock holder right after
-each commit, so the hints are never lower than the truth except after a crash (which the
-rebuild on recovery repairs).
+shards. Redis holds a hint per shard, the level and version of its row copied from the
+database: by the lock holder right after each commit (the levels its statement returned), by a
+give-back or restock after its commit (read afresh). A copy never replaces a later version of
+the row, so the hints end at the database's levels whatever order the copies land in, and they
+are lower than the truth only between a give-back's commit and its copy (or after a crash,
+which the rebuild on recovery repairs).
 
 Lock order: shard locks are only ever waited for in ascending index order while others are
 held, and the sale statement decrements the rows of a multi-shard sale in index order too.
@@ -35,13 +38,13 @@ from ..breaker import breaker
 from ..exceptions import Busy, SoldOut
 from ..models import Item, Order
 from ..redis_client import REDIS_DOWN_ERRORS
-from ..stock import HalfDone, ensure_current, shard_stocks, simulate_work
+from ..stock import HalfDone, StockRow, ensure_current, shard_rows, simulate_work
 from . import plumbing
 from .base import Allocation, RecordOrder, StockStrategy
 from .plumbing import (
     acquire_lock,
-    add_to_rows,
     ensure_still_held,
+    fence_of,
     new_lock,
     release_quietly,
     remember_unsettled,
@@ -51,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 
 def shard_lock(item: Item, index: int) -> Lock:
-    return new_lock(keys.shard_locks(item)[index])
+    return new_lock(keys.shard_locks(item)[index], strategy=SegmentedStrategy.name)
 
 
 class SegmentedStrategy(StockStrategy):
@@ -68,12 +71,12 @@ class SegmentedStrategy(StockStrategy):
         if not item.shard_count:
             raise RuntimeError(f"{item.sku} has no stock shards: restart its sale")
         start = random.randrange(item.shard_count)
-        picked, hints, token = self._lock_first_holding(item, qty, start)
+        picked, hints, token, fence = self._lock_first_holding(item, qty, start)
         if picked is None:
             # Redis lost the hints, or a restart dropped this sale's: only rebuild a current
             # sale's.
             ensure_current(item)
-            hints, picked = plumbing.sync_rows(item), -1
+            hints, picked = plumbing.refresh_hints(item), -1
         if sum(hints) < qty:
             raise SoldOut(sku=item.sku, requested=qty, remaining=sum(hints))
 
@@ -82,8 +85,8 @@ class SegmentedStrategy(StockStrategy):
         if picked >= 0:
             # The common case: one script chose a free shard holding qty and locked it.
             lock = shard_lock(item, picked)
-            lock.adopt(token)
-            order = self._serve_locked(item, qty, record, {picked: qty}, [lock])
+            plumbing.adopt_lock(lock, token, fence)
+            order = self._serve_locked(item, qty, record, {picked: qty}, {picked: lock})
             if order is not None:
                 return order
             ring.remove(picked)  # it was short: its hint is corrected, try the others
@@ -96,7 +99,7 @@ class SegmentedStrategy(StockStrategy):
             if not acquire_lock(lock, blocking=False):
                 busy.append(index)
                 continue
-            order = self._serve_locked(item, qty, record, {index: qty}, [lock])
+            order = self._serve_locked(item, qty, record, {index: qty}, {index: lock})
             if order is not None:
                 return order
         for index in busy:
@@ -106,7 +109,7 @@ class SegmentedStrategy(StockStrategy):
             lock = shard_lock(item, index)
             if not acquire_lock(lock, blocking_timeout=remaining_wait):
                 continue
-            order = self._serve_locked(item, qty, record, {index: qty}, [lock])
+            order = self._serve_locked(item, qty, record, {index: qty}, {index: lock})
             if order is not None:
                 return order
         if busy and time.monotonic() >= deadline:
@@ -118,14 +121,14 @@ class SegmentedStrategy(StockStrategy):
 
     def _lock_first_holding(
         self, item: Item, qty: int, start: int
-    ) -> tuple[int | None, list[int], str]:
+    ) -> tuple[int | None, list[int], str, int | None]:
         """Choose a shard whose hint holds qty and whose lock is free, and lock it, in one
-        script: (its index, or -1 if none; every shard's hint; the lock's owner token), or
-        (None, [], token) when the hints are missing."""
+        script: (its index, or -1 if none; every shard's hint; the lock's owner token and
+        fencing token), or (None, [], token, None) when the hints are missing."""
         token = uuid.uuid4().hex
         names = keys.shard_locks(item)
         try:
-            picked, hints = plumbing.counter().lock_first_holding(
+            picked, hints, fence = plumbing.counter().lock_first_holding(
                 keys.rows(item),
                 names,
                 qty,
@@ -138,10 +141,10 @@ class SegmentedStrategy(StockStrategy):
             # is ours) once Redis is back, as for a lock whose SET timed out.
             remember_unsettled((name, token.encode()) for name in names)
             raise
-        return picked, hints, token
+        return picked, hints, token, fence
 
     def _serve_from_all(self, item: Item, qty: int, record: RecordOrder, deadline: float) -> Order:
-        locks: list[Lock] = []
+        locks: dict[int, Lock] = {}
         try:
             for index in range(item.shard_count):
                 lock = shard_lock(item, index)
@@ -150,11 +153,12 @@ class SegmentedStrategy(StockStrategy):
                         f"{item.sku}: could not lock every shard in time",
                         retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
                     )
-                locks.append(lock)
-            levels = shard_stocks(item.current_sale_id)
+                locks[index] = lock
+            rows = shard_rows(item.current_sale_id)
+            levels = {index: row.stock for index, row in rows.items()}
             if sum(levels.values()) < qty:
                 ensure_current(item)
-                plumbing.write_rows(item, levels)
+                plumbing.write_hints(item, rows)
                 raise SoldOut(sku=item.sku, requested=qty, remaining=sum(levels.values()))
             plan: dict[int, int] = {}
             needed = qty
@@ -170,55 +174,85 @@ class SegmentedStrategy(StockStrategy):
                 )
             return order
         finally:
-            for lock in reversed(locks):
+            for lock in reversed(locks.values()):
                 release_quietly(lock)
 
     def _serve_locked(
-        self, item: Item, qty: int, record: RecordOrder, plan: dict[int, int], locks: list[Lock]
+        self,
+        item: Item,
+        qty: int,
+        record: RecordOrder,
+        plan: dict[int, int],
+        locks: dict[int, Lock],
     ) -> Order | None:
         try:
             return self._serve(item, qty, record, plan, locks)
         finally:
-            for lock in locks:
+            for lock in locks.values():
                 release_quietly(lock)
 
     def _serve(
-        self, item: Item, qty: int, record: RecordOrder, plan: dict[int, int], locks: list[Lock]
+        self,
+        item: Item,
+        qty: int,
+        record: RecordOrder,
+        plan: dict[int, int],
+        locks: dict[int, Lock],
     ) -> Order | None:
-        """Take the planned units in one statement; None if a shard was short (hints fixed)."""
+        """Take the planned units in one statement, fenced by each shard's lock (`locks`, by
+        shard index); None if a shard was short, or refused a fence (hints fixed)."""
         simulate_work()
-        for lock in locks:
+        for lock in locks.values():
             ensure_still_held(lock, item.sku)
+        fences = {index: fence_of(locks[index]) for index in plan}
+        shard_fences = (
+            {index: fence for index, fence in fences.items() if fence is not None}
+            if None not in fences.values()
+            else None
+        )
         try:
-            sold = record(Allocation(strategy=self.name, shard_units=plan))
+            sold = record(
+                Allocation(strategy=self.name, shard_units=plan, shard_fences=shard_fences)
+            )
         except HalfDone:
             sold = None
         if sold is None:
-            levels = shard_stocks(item.current_sale_id)
-            if sum(levels.values()) < qty:
+            rows = shard_rows(item.current_sale_id)
+            remaining = sum(row.stock for row in rows.values())
+            if remaining < qty:
                 ensure_current(item)
-                self._write_hints_quietly(item, levels)
-                raise SoldOut(sku=item.sku, requested=qty, remaining=sum(levels.values()))
-            self._write_hints_quietly(item, levels)
+                self._write_hints_quietly(item, rows)
+                raise SoldOut(sku=item.sku, requested=qty, remaining=remaining)
+            self._write_hints_quietly(item, rows)
             return None
-        self._write_hints_quietly(item, sold.shard_levels)
+        self._write_hints_quietly(
+            item,
+            {
+                index: StockRow(stock=left, version=sold.shard_versions[index])
+                for index, left in sold.shard_levels.items()
+            },
+        )
         return sold.order
 
-    def _write_hints_quietly(self, item: Item, levels: dict[int, int]) -> None:
+    def _write_hints_quietly(self, item: Item, rows: dict[int, StockRow]) -> None:
         try:
-            plumbing.write_rows(item, levels)
+            plumbing.write_hints(item, rows)
         except REDIS_DOWN_ERRORS as exc:
             breaker.record_failure(exc)
             logger.warning("could not update %s shard hints: Redis is down", item.sku)
 
-    def sync_redis(self, *, item: Item) -> None:
-        plumbing.sync_rows(item)
+    def sync_redis(self, *, item: Item, force: bool = False) -> None:
+        plumbing.refresh_hints(item, force=force)
 
     def return_units(self, *, item: Item, order: Order) -> None:
-        plumbing.give_back_rows(item, order)
+        # The rows hold the units again (committed): copy them. Doing it twice changes nothing.
+        indexes = [int(index) for index in order.shard_units or {}]
+        if indexes:
+            plumbing.refresh_hints(item, indexes, create=False)
 
     def add_units(self, *, item: Item, units: int, rows: dict[int, int]) -> None:
-        add_to_rows(item, rows)
+        if rows:
+            plumbing.refresh_hints(item, rows, create=False)
 
     def redis_stock(self, *, item: Item) -> int | None:
         return plumbing.rows_total(item)

@@ -4,18 +4,20 @@ derived from the rows."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 
+from inventory import keys, stock
 from inventory.exceptions import Busy, SoldOut
-from inventory.models import Item, Order
-from inventory.orders import reconcile_sale
+from inventory.models import Item, Order, OrderStatus
+from inventory.orders import give_back_to_redis, reconcile_sale
 from inventory.selectors import audit_sale
 from inventory.services import place_order, start_sale
-from inventory.strategies import plumbing
+from inventory.strategies import plumbing, segmented
 from loadtest.flood import flood
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -82,3 +84,50 @@ def test_lua_counters_set_too_high_are_refused_by_the_database(settings, group_c
     reconcile_sale(sku)
     audit = audit_sale(sku)
     assert audit["redis_stock"] == 0 and audit["consistent"], audit
+
+
+def test_a_shard_hint_copied_late_never_undoes_a_give_back_copied_before_it(monkeypatch):
+    # Given a segmented sale whose buyers all start at shard 3, and a first order taken from it
+    sku = f"late-hint-{uuid.uuid4().hex[:6]}"
+    start_sale(sku=sku, stock=20, strategy="segmented")
+    monkeypatch.setattr(segmented.random, "randrange", lambda _: 3)
+    first = place_order(sku=sku, qty=1, buyer="first").order
+    assert first.shard_units == {"3": 1}
+
+    # and a second sale from shard 3 held up after its commit, before it copies its level
+    paused, go = threading.Event(), threading.Event()
+    write_hints = plumbing.write_hints
+
+    def held_up(item, rows, **options):
+        if threading.current_thread().name == "second":
+            paused.set()
+            assert go.wait(30)
+        return write_hints(item, rows, **options)
+
+    monkeypatch.setattr(plumbing, "write_hints", held_up)
+
+    def second() -> None:
+        try:
+            place_order(sku=sku, qty=1, buyer="second")
+        finally:
+            connection.close()
+
+    buyer = threading.Thread(target=second, name="second")
+    buyer.start()
+    assert paused.wait(30)
+
+    # When the first order fails meanwhile: its unit goes back to the row, then to its hint
+    with transaction.atomic():
+        Order.objects.filter(pk=first.pk).update(status=OrderStatus.FAILED)
+        stock.return_units(first)
+    assert give_back_to_redis([first]) == []
+    # and only then does the second sale's copy (of the level before the give-back) land
+    go.set()
+    buyer.join(30)
+
+    # Then shard 3's hint is its row's level, not the second sale's older copy
+    item = Item.objects.get(sku=sku)
+    assert stock.shard_stocks(item.current_sale_id)[3] == 1
+    assert plumbing.counter().get(keys.row(item, 3)) == 1
+    audit = audit_sale(sku)
+    assert audit["consistent"] and audit["redis_stock"] == audit["db_stock"] == 19, audit

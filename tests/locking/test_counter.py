@@ -50,6 +50,36 @@ def test_set_many_get_many(r: redis.Redis, prefix: str) -> None:
     assert counter.get_many([a, b]) == [10, 0]
 
 
+def test_set_newer_keeps_the_latest_version_whatever_order_copies_land_in(
+    r: redis.Redis, prefix: str
+) -> None:
+    counter = StockCounter(r)
+    row, other = prefix + "row:0", prefix + "row:1"
+    # a copy of version 7 is set, with its version beside it
+    assert counter.set_newer({row: (3, 7)}) == 1
+    assert (counter.get(row), r.get(row + ":version")) == (3, b"7")
+    # an older copy arriving late changes nothing; a newer one and the same one again do
+    assert counter.set_newer({row: (9, 6)}) == 0 and counter.get(row) == 3
+    assert counter.set_newer({row: (4, 8)}) == 1 and counter.get(row) == 4
+    counter.set(row, 99)  # a counter gone wrong under an unchanged version
+    assert counter.set_newer({row: (4, 8)}) == 1 and counter.get(row) == 4
+    # without create a missing counter stays missing; with it, it is made even where a stale
+    # version was left behind
+    assert counter.set_newer({other: (5, 1)}, create=False) == 0 and r.exists(other) == 0
+    r.set(other + ":version", 50)
+    assert counter.set_newer({other: (5, 1)}) == 1 and counter.get(other) == 5
+    # force sets whatever version is there (a repair)
+    assert counter.set_newer({row: (2, 1)}, force=True) == 1
+    assert (counter.get(row), r.get(row + ":version")) == (2, b"1")
+    # bad values are refused before Redis is touched
+    with pytest.raises(ValueError):
+        counter.set_newer({row: (-1, 9)})
+    with pytest.raises(ValueError):
+        counter.set_newer({row: (1, "9")})  # type: ignore[dict-item]
+    assert counter.get(row) == 2
+    assert counter.set_newer({}) == 0
+
+
 @pytest.mark.parametrize("qty", [0, -1, 1.5, True, "1", None])
 def test_quantity_must_be_a_positive_int(r: redis.Redis, prefix: str, qty: object) -> None:
     counter = StockCounter(r)
@@ -180,23 +210,27 @@ def test_lock_first_holding_locks_a_free_row_that_holds_the_quantity(
     keys = [f"{prefix}row:{index}" for index in range(3)]
     locks = [f"{prefix}lock:{index}" for index in range(3)]
     take = {"start": 0, "ttl_ms": 5000}
-    assert counter.lock_first_holding(keys, locks, 1, token="t0", **take) == (None, [])
+    assert counter.lock_first_holding(keys, locks, 1, token="t0", **take) == (None, [], None)
     assert all(r.get(lock) is None for lock in locks)  # missing counters: nothing locked
     counter.set_many(dict(zip(keys, [0, 5, 5], strict=True)))
 
-    # the first row from `start` that holds the quantity and is free, locked with the token
-    assert counter.lock_first_holding(keys, locks, 1, token="t1", **take) == (1, [0, 5, 5])
-    assert counter.lock_first_holding(keys, locks, 1, token="t2", **take) == (2, [0, 5, 5])
-    assert counter.lock_first_holding(keys, locks, 1, token="t3", **take)[0] == -1  # all busy
+    # the first row from `start` that holds the quantity and is free, locked with the token,
+    # and a fencing token for each grant
+    row, levels, fence1 = counter.lock_first_holding(keys, locks, 1, token="t1", **take)
+    assert (row, levels) == (1, [0, 5, 5]) and fence1 and fence1 > 0
+    row, levels, fence2 = counter.lock_first_holding(keys, locks, 1, token="t2", **take)
+    assert (row, levels) == (2, [0, 5, 5]) and fence2 and fence2 > 0
+    assert counter.lock_first_holding(keys, locks, 1, token="t3", **take)[::2] == (-1, None)
     assert (r.get(locks[1]), r.get(locks[2]), r.get(locks[0])) == (b"t1", b"t2", None)
 
-    # and the Lock adopts what the script took: owned, then released
+    # and the Lock adopts what the script took: owned, with its fence, then released
     lock = Lock(r, locks[1], timeout=5)
-    lock.adopt("t1")
-    assert lock.owned()
+    lock.adopt("t1", fence1)
+    assert lock.owned() and lock.fence == fence1
     lock.release()
     assert r.get(locks[1]) is None
-    assert counter.lock_first_holding(keys, locks, 1, token="t4", **take)[0] == 1
+    row, _, fence4 = counter.lock_first_holding(keys, locks, 1, token="t4", **take)
+    assert row == 1 and fence4 and fence4 > fence1  # the same lock's next grant: a later fence
 
 
 def test_a_claimed_take_keeps_twins_out_until_its_taker_gives_it_up(

@@ -508,8 +508,11 @@ def test_nothing_lingers_and_helper_keys_are_short_lived(r: redis.Redis, prefix:
     for _ in range(3):
         assert lock.acquire()
         lock.release()
-    # Without waiters, a release leaves no key behind at all.
-    assert list(r.scan_iter(match=prefix + "*")) == []
+    # Without waiters, a release leaves no key behind but the last fencing token, which
+    # expires within the hour.
+    fence = (name + ":fence").encode()
+    assert list(r.scan_iter(match=prefix + "*")) == [fence]
+    assert 0 < r.pttl(fence) <= 3600 * 1000
 
     # While someone waits, the queue and its details expire on their own.
     assert lock.acquire()
@@ -525,16 +528,17 @@ def test_nothing_lingers_and_helper_keys_are_short_lived(r: redis.Redis, prefix:
     thread.join(10)
     assert outcome.get("result") is True
     assert r.get(name) == waiter.local.token
-    assert sorted(r.scan_iter(match=prefix + "*")) == [name.encode()]  # wake consumed
+    assert sorted(r.scan_iter(match=prefix + "*")) == [name.encode(), fence]  # wake consumed
     waiter.release()
-    assert list(r.scan_iter(match=prefix + "*")) == []
+    assert list(r.scan_iter(match=prefix + "*")) == [fence]
     # A wake nobody reads (its waiter died) lives a few seconds at most.
     assert lock.acquire()
     r.rpush(name + ":queue", b"dead-waiter")
     r.hset(name + ":waiters", b"dead-waiter", f"{int(time.time() * 1000) + 60_000} 100")
     lock.release()
     assert r.get(name) == b"dead-waiter"
-    assert r.lrange(name + ":wake:dead-waiter", 0, -1) == [b"1"]
+    # (the wake carries the waiter's fencing token: the latest grant's)
+    assert r.lrange(name + ":wake:dead-waiter", 0, -1) == [r.get(fence)]
     assert 0 < r.pttl(name + ":wake:dead-waiter") <= 3000
 
 
