@@ -4,7 +4,8 @@ Nothing outside the pitfall lab imports this module, and no checkout can reach i
 lock is `locking.Lock`, and its `lock` strategy writes through the guarded sale statement. Each
 function is one of the hand-written locks the articles take apart, with the hook a scenario
 needs to force the interleaving that breaks it (`between`: called between two commands that
-should have been one); `TrustingLockStrategy` is `lock` writing back the stock it read.
+should have been one); `TrustingLockStrategy` is `lock` writing back the stock it read, and
+`UnfencedLock` the shop's lock without its fencing token (a watchdog lock, and nothing more).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from inventory.stock import read_stock, simulate_work
 from inventory.strategies.base import Allocation, RecordOrder
 from inventory.strategies.lock import LockStrategy
 from inventory.strategies.plumbing import acquire_lock, new_lock, release_quietly
+from locking import Lock
 
 
 def setnx_then_expire(
@@ -84,7 +86,7 @@ class TrustingLockStrategy(LockStrategy):
     expires under a holder that still works."""
 
     def take(self, *, item: Item, qty: int, record: RecordOrder) -> Order:
-        lock = new_lock(keys.item_lock(item))
+        lock = new_lock(keys.item_lock(item), strategy=self.name)
         if not acquire_lock(lock):
             raise Busy(
                 f"{item.sku}: lock still held", retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER
@@ -100,3 +102,12 @@ class TrustingLockStrategy(LockStrategy):
         if sold is None:
             raise RuntimeError(f"{item.sku}: the unguarded write was refused")
         return sold.order
+
+
+class UnfencedLock(Lock):
+    """The shop's lock, watchdog and all, handing out no fencing token: the lock the articles
+    stop at. A holder paused past its TTL wakes up, and its write goes through."""
+
+    @property
+    def fence(self) -> int | None:
+        return None

@@ -1,9 +1,9 @@
 """The Celery queues, all named after one base name (FLASHSALE_TASK_QUEUE).
 
 Paying orders goes to the base queue; giving units back to Redis after it failed there goes to
-`<base>.give-back`; the sweeper, the reconciler and load runs go to `<base>.maintenance`. A
-backlog of one never starves the others: a worker reads all three (its broker connection
-takes from each in turn), and a worker of its own can be given one with `-Q`.
+`<base>.give-back`; the sweeper, the reconciler, load runs and the pitfall lab's runs go to
+`<base>.maintenance`. A backlog of one never starves the others: a worker reads all three (its
+broker connection takes from each in turn), and a worker of its own can be given one with `-Q`.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def routes(base: str) -> dict[str, dict[str, str]]:
         "inventory.tasks.sweep_orders_task": {"queue": maintenance(base)},
         "inventory.tasks.reconcile_sales_task": {"queue": maintenance(base)},
         "loadtest.tasks.run_load_batch_task": {"queue": maintenance(base)},
+        "pitfalls.tasks.run_pitfall_task": {"queue": maintenance(base)},
     }
 
 

@@ -3,7 +3,7 @@ from django.urls import include, path
 
 from inventory import api
 
-from . import views
+from . import metrics, views
 
 urlpatterns = [
     path("", views.item_list, name="item-list"),
@@ -11,8 +11,10 @@ urlpatterns = [
     path("orders/<uuid:order_id>/", views.order_page, name="order"),
     path("api/", include("inventory.urls")),
     path("healthz", api.healthz, name="healthz"),
+    path("metrics", metrics.metrics, name="metrics"),
     # Before the admin's own catch-all; named by string, so shop imports nothing of loadtest.
     path("admin/", include("loadtest.urls")),
+    path("admin/", include("pitfalls.urls")),
     path("admin/", admin.site.urls),
     # Browsers ask for /favicon.ico on pages that name no icon (the admin's).
     path("favicon.ico", views.favicon),

@@ -14,7 +14,7 @@ from .locks import (
     SetnxExpireGap,
     SetTimeoutSucceeded,
 )
-from .sales import LostUpdate, RedisDown, TrustTheLock
+from .sales import LostUpdate, RedisDown, StallPastTtl, TrustTheLock
 
 SCENARIOS: dict[str, Scenario] = {
     scenario.name: scenario
@@ -29,6 +29,7 @@ SCENARIOS: dict[str, Scenario] = {
         FailoverLosesLock(),
         ReentrantDeadlock(),
         TrustTheLock(),
+        StallPastTtl(),
         LostUpdate(),
         RedisDown(),
     ]

@@ -431,7 +431,7 @@ class CoarseLock(Scenario):
             turn = number
             while True:
                 token = uuid.uuid4().hex
-                row, levels = counter.lock_first_holding(
+                row, levels, fence = counter.lock_first_holding(
                     counters, locks, 1, start=turn % shards, token=token, ttl_ms=5000
                 )
                 turn += 1
@@ -445,7 +445,7 @@ class CoarseLock(Scenario):
                     row = turn % shards
                 else:
                     lock = Lock(own, locks[row], timeout=5)
-                    lock.adopt(token)
+                    lock.adopt(token, fence)
                 recorder.acquired(who, f"shard {row}")
                 if counter.take(counters[row], 1) >= 0:
                     time.sleep(self.WORK)  # the work the lock guards

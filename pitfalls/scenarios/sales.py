@@ -8,12 +8,17 @@ sells to nobody, its orders stay pending in the sandbox.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
 import threading
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
-from django.db import connection
+from django.db import connection, connections
 from django.test.utils import override_settings
 
 from inventory.breaker import breaker
@@ -21,9 +26,9 @@ from inventory.exceptions import Busy, SoldOut
 from inventory.models import Item, Order
 from inventory.redis_client import REDIS_DOWN_ERRORS
 from inventory.services import start_sale
-from inventory.stock import SaleRecorder
+from inventory.stock import SaleRecorder, Sold
 from inventory.strategies import get_strategy
-from inventory.strategies.base import StockStrategy
+from inventory.strategies.base import Allocation, StockStrategy
 from inventory.strategies.lua import LuaStrategy
 
 from .. import naive
@@ -204,5 +209,122 @@ class TrustTheLock(Scenario):
             stock=self.STOCK,
             accepted=accepted,
             busy=busy,
+            sku=sku,
+        )
+
+
+class _BeforeWrite:
+    """A checkout's recorder that calls `hook` when the strategy hands it the sale to write:
+    the buyer holds the lock then, and has checked it."""
+
+    def __init__(self, record: SaleRecorder, hook: Callable[[], object]) -> None:
+        self.record = record
+        self.hook = hook
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.record, name)
+
+    def __call__(self, allocation: Allocation) -> Sold | None:
+        self.hook()
+        return self.record(allocation)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP), per /proc."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+class StallPastTtl(Scenario):
+    name = "stall-past-ttl"
+    measure = "stale writes accepted"
+    article = "timeout"
+    warning = "a holder paused past its TTL (a long GC) loses its lock, watchdog or not"
+    explanation = (
+        "A holds the item's lock (watchdog on) and is frozen by SIGSTOP right before its write; "
+        "the lock expires, B takes it and sells; A wakes and writes: without a fencing token "
+        "the write goes through, with the shop's the item row refuses A's older token"
+    )
+    needs_database = True
+
+    STOCK = 10
+    TTL_MS = 400
+
+    def run(self, variant: Variant, redis_host: RedisHost) -> Outcome:
+        recorder = Recorder()
+        sku = _sku(self.name, variant)
+        lock_factory = "pitfalls.naive.UnfencedLock" if variant == "naive" else "locking.Lock"
+        context = multiprocessing.get_context("fork")
+        paused, answers = context.Event(), context.Queue()
+        with _shop_on(
+            redis_host,
+            FLASHSALE_LOCK_TTL_MS=self.TTL_MS,
+            FLASHSALE_LOCK_WATCHDOG=True,
+            FLASHSALE_LOCK_WAIT_MS=5 * self.TTL_MS,
+            FLASHSALE_LOCK_FACTORY=lock_factory,
+        ):
+            start_sale(sku=sku, stock=self.STOCK, strategy="lock")
+            strategy = get_strategy("lock")
+
+            def pause() -> None:
+                paused.set()
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+            def holder() -> None:
+                item = Item.objects.get(sku=sku)
+                record = _BeforeWrite(SaleRecorder(item=item, qty=1, buyer="A"), pause)
+                try:
+                    strategy.take(item=item, qty=1, record=record)
+                    answers.put(("stale write accepted", ""))
+                except Exception as refused:  # noqa: BLE001 - the parent reports what it was
+                    answers.put(("refused", f"{refused.__class__.__name__}: {refused}"))
+                finally:
+                    connection.close()
+
+            connections.close_all()  # the holder's process opens its own
+            process = context.Process(target=holder, daemon=True)
+            process.start()
+            pid = process.pid
+            assert pid is not None  # started
+            try:
+                if not paused.wait(30):
+                    raise RuntimeError("the holder never reached its write")
+                recorder.acquired("A", "checked its lock; about to write")
+                deadline = time.monotonic() + 10
+                while not _stopped(pid):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the holder did not stop")
+                    time.sleep(0.001)
+                recorder.note("A", "paused", "SIGSTOP: its watchdog thread stops too")
+                # B buys: it waits for A's lock, which expires since nobody renews it.
+                item = Item.objects.get(sku=sku)
+                b_record = SaleRecorder(item=item, qty=1, buyer="B")
+                order = strategy.take(
+                    item=item,
+                    qty=1,
+                    record=_BeforeWrite(
+                        b_record, lambda: recorder.acquired("B", "A's lock expired under A")
+                    ),
+                )
+                recorder.note("B", "sold", f"order {order.pk}")
+                recorder.released("B")
+                os.kill(pid, signal.SIGCONT)
+                recorder.note("A", "resumed", "SIGCONT: A believes it still holds the lock")
+                answer, detail = answers.get(timeout=30)
+                recorder.note("A", answer, detail)
+                recorder.released("A")
+                process.join(30)
+            finally:
+                if process.is_alive():
+                    os.kill(pid, signal.SIGCONT)
+                    process.kill()
+        item = Item.objects.get(sku=sku)
+        return recorder.outcome(
+            Order.objects.filter(item__sku=sku, buyer="A").count(),
+            lock_ttl_ms=self.TTL_MS,
+            a_answer=detail or answer,
+            sold=Order.objects.filter(item__sku=sku).count(),
+            item_row_fence=item.fence,
+            most_holders=recorder.most_holders,
             sku=sku,
         )

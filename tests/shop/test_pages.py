@@ -375,6 +375,16 @@ def _user(username: str, *, staff: bool) -> User:
     return user
 
 
+def _staff_signs_in(shop_server, page: Page, viewport: dict[str, int]) -> None:
+    """A new staff user signs in to the admin, on a page of the given size."""
+    _user("staff", staff=True)
+    page.set_viewport_size(viewport)
+    page.goto(f"{shop_server.url}/admin/")
+    page.get_by_label("Username").fill("staff")
+    page.get_by_label("Password").fill("a-long-test-password")
+    page.get_by_role("button", name="Log in").click()
+
+
 def test_the_admin_refuses_a_non_staff_user(shop_server, page):
     # Given a signed-in buyer who is not staff
     buyer = _user("buyer", staff=False)
@@ -389,6 +399,9 @@ def test_the_admin_refuses_a_non_staff_user(shop_server, page):
     assert page.url.startswith(f"{shop_server.url}/admin/login/")
     expect(page.locator("body")).to_contain_text("not authorized to access this page")
     screenshot(page, "13-admin-refused")
+    # and so for the pitfall lab
+    page.goto(f"{shop_server.url}/admin/pitfalls/")
+    assert page.url.startswith(f"{shop_server.url}/admin/login/")
 
     # and their password does not sign them in to it either
     page.context.clear_cookies()
@@ -470,12 +483,7 @@ def test_staff_compare_two_recorded_runs_side_by_side(shop_server, page):
             p99_ms=40, goodput=25, accepted_units=50, oversold=0, remaining=0,
             history=history, **common,
         )  # fmt: skip
-    _user("staff", staff=True)
-    page.set_viewport_size({"width": 1400, "height": 1000})
-    page.goto(f"{shop_server.url}/admin/")
-    page.get_by_label("Username").fill("staff")
-    page.get_by_label("Password").fill("a-long-test-password")
-    page.get_by_role("button", name="Log in").click()
+    _staff_signs_in(shop_server, page, {"width": 1400, "height": 1000})
 
     # When they follow the admin's link to the comparison
     page.get_by_role("link", name="Compare strategies").click()
@@ -500,3 +508,30 @@ def test_staff_compare_two_recorded_runs_side_by_side(shop_server, page):
     assert widths["page"] <= widths["view"], widths
     assert widths["table"] > widths["box"], widths  # the table is the one that scrolls
     screenshot(page, "18-admin-compare-narrow")
+
+
+def test_staff_run_a_pitfall_scenario_and_see_the_double_grant_drawn(shop_server, page):
+    # Given a staff user and a Celery worker
+    worker = start_worker(concurrency=1)
+    try:
+        _staff_signs_in(shop_server, page, {"width": 1300, "height": 900})
+
+        # When they open the lab from the admin's home and run expiry-mid-work
+        page.get_by_role("link", name="Pitfall lab").click()
+        expect(page.locator("#scenarios")).to_contain_text("stall-past-ttl")
+        page.get_by_role("button", name="Run expiry-mid-work").click()
+        expect(page.locator("#run")).to_contain_text("expiry-mid-work")
+
+        # Then, once the worker ran it (the page refreshes itself), they see the verdict, and
+        # the naive run's timeline: a lane per client, the double grant highlighted
+        expect(page.locator("#verdict")).to_have_text("pass", timeout=60_000)
+        naive = page.locator("#variant-naive")
+        expect(naive.locator("svg.timeline g.lane")).to_have_count(2)  # A and B
+        expect(naive.locator("rect.overlap").first).to_be_visible()
+        expect(naive.locator("dd.damage")).to_have_text("1")
+        fixed = page.locator("#variant-fixed")
+        expect(fixed.locator("rect.overlap")).to_have_count(0)
+        expect(fixed.locator("dd.damage")).to_have_text("0")
+        screenshot(page, "20-admin-pitfall-lab")
+    finally:
+        worker.stop()
