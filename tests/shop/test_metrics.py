@@ -19,10 +19,12 @@ from django.test import Client
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from inventory import stock
-from inventory.models import Item, Order
+from inventory import keys, stock
+from inventory.models import Item, Order, OrderStatus
+from inventory.redis_client import get_redis_client
 from inventory.services import place_order, start_sale
 from inventory.strategies.base import Allocation
+from inventory.tasks import give_back_task
 from shop.celery import app as celery_app
 from shop.processes.ports import free_port
 from shop.processes.servers import PROJECT_DIR as ROOT
@@ -113,6 +115,116 @@ def test_checkouts_served_by_the_fallback_and_the_open_breaker_are_counted():
     accepted = ("flashsale_checkouts_total", (("outcome", "accepted"), ("strategy", "lua")))
     assert samples[accepted] == 6
     assert samples[("flashsale_breaker_open", (("breaker", "redis"),))] == 1
+
+
+def _checkout(url: str, sku: str, buyer: str) -> requests.Response:
+    body = {"sku": sku, "qty": 1, "buyer": buyer}
+    return requests.post(f"{url}/api/checkout", json=body, timeout=30)
+
+
+def test_lock_waits_that_time_out_and_a_lock_the_watchdog_loses_are_counted():
+    # Given a shop whose lock checkouts work 1.5 s under a lock of 0.6 s that the watchdog
+    # renews, and wait at most 0.2 s for it
+    sku = f"contended-{uuid.uuid4().hex[:6]}"
+    start_sale(sku=sku, stock=5, strategy="lock")
+    lock_key = keys.item_lock(Item.objects.get(sku=sku))
+    redis = get_redis_client()
+    server = start_shop(
+        FLASHSALE_METRICS_LOOPBACK="true",
+        FLASHSALE_LOCK_TTL_MS=600,
+        FLASHSALE_LOCK_WAIT_MS=200,
+        FLASHSALE_HOLD_DELAY_MS=1500,
+    )
+    try:
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            holder = pool.submit(_checkout, server.url, sku, "holder")
+            assert wait_until(lambda: redis.exists(lock_key), timeout=15)
+            # When two more checkouts wait for the lock in vain
+            waiters = [pool.submit(_checkout, server.url, sku, f"w{n}") for n in range(2)]
+            waited = [waiter.result() for waiter in waiters]
+            # and the holder's lock vanishes mid-work (as if it expired): its watchdog finds
+            # it gone at the next renewal
+            redis.delete(lock_key)
+            held = holder.result()
+        samples = _samples(requests.get(f"{server.url}/metrics", timeout=10).text)
+    finally:
+        server.stop()
+
+    # Then all three were told busy, nothing was sold
+    assert [answer.status_code for answer in waited] == [503, 503], [a.text for a in waited]
+    assert held.status_code == 503 and held.json()["error"] == "busy", held.text
+    assert Item.objects.get(sku=sku).stock == 5 and not Order.objects.filter(item__sku=sku)
+    # and the scrape says why: two waits timed out, one lock was lost, found by the watchdog
+    assert samples[("flashsale_lock_acquire_timeouts_total", (("strategy", "lock"),))] == 2
+    lost = ("flashsale_locks_lost_total", (("how", "watchdog"), ("strategy", "lock")))
+    assert samples[lost] == 1
+    failed = ("flashsale_lock_renewals_total", (("outcome", "failed"), ("strategy", "lock")))
+    assert samples[failed] == 1
+    busy = ("flashsale_checkouts_total", (("outcome", "busy"), ("strategy", "lock")))
+    assert samples[busy] == 3
+    assert samples[("flashsale_lock_hold_seconds_count", (("strategy", "lock"),))] == 1
+
+
+def test_a_write_refused_by_the_fencing_token_is_counted_as_a_lock_lost():
+    # Given a shop whose lock checkouts work 1.2 s under a lock of 0.3 s that no watchdog renews
+    sku = f"fenced-{uuid.uuid4().hex[:6]}"
+    start_sale(sku=sku, stock=5, strategy="lock")
+    lock_key = keys.item_lock(Item.objects.get(sku=sku))
+    redis = get_redis_client()
+    server = start_shop(
+        FLASHSALE_METRICS_LOOPBACK="true",
+        FLASHSALE_LOCK_TTL_MS=300,
+        FLASHSALE_LOCK_WATCHDOG="false",
+        FLASHSALE_HOLD_DELAY_MS=1200,
+    )
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            stalled = pool.submit(_checkout, server.url, sku, "stalled")
+            assert wait_until(lambda: redis.exists(lock_key), timeout=15)
+            # When its lock expires under it, and a later buyer (this process, no work) takes
+            # the lock and sells before the stalled holder writes
+            assert wait_until(lambda: not redis.exists(lock_key), timeout=5)
+            place_order(sku=sku, qty=1, buyer="later")
+            answer = stalled.result()
+        samples = _samples(requests.get(f"{server.url}/metrics", timeout=10).text)
+    finally:
+        server.stop()
+
+    # Then the row refused the stalled holder's older token: busy, and one unit sold, the later's
+    assert answer.status_code == 503 and answer.json()["error"] == "busy", answer.text
+    assert list(Order.objects.filter(item__sku=sku).values_list("buyer", flat=True)) == ["later"]
+    assert Item.objects.get(sku=sku).stock == 4
+    lost = ("flashsale_locks_lost_total", (("how", "fenced"), ("strategy", "lock")))
+    assert samples[lost] == 1
+    assert (
+        samples.get(("flashsale_locks_lost_total", (("how", "watchdog"), ("strategy", "lock"))), 0)
+        == 0
+    )
+    accepted = ("flashsale_checkouts_total", (("outcome", "accepted"), ("strategy", "lock")))
+    assert samples.get(accepted, 0) == 0
+
+
+def test_a_checkout_whose_broker_is_away_is_answered_and_the_broker_breaker_shows_open():
+    # Given a shop whose Celery broker is not there (nothing listens on its port)
+    sku = f"unbrokered-{uuid.uuid4().hex[:6]}"
+    start_sale(sku=sku, stock=5, strategy="lua")
+    server = start_shop(
+        CELERY_BROKER_URL=f"redis://127.0.0.1:{free_port()}/0", FLASHSALE_METRICS_LOOPBACK="true"
+    )
+    try:
+        answers = [_checkout(server.url, sku, f"b{n}") for n in range(3)]
+
+        def broker_open() -> bool:
+            samples = _samples(requests.get(f"{server.url}/metrics", timeout=10).text)
+            return samples.get(("flashsale_breaker_open", (("breaker", "broker"),))) == 1
+
+        # Then each checkout is sold (its order waits for the sweeper), and the breaker in
+        # front of the broker shows open
+        assert [answer.status_code for answer in answers] == [201] * 3
+        assert wait_until(broker_open, timeout=30)
+    finally:
+        server.stop()
+    assert Order.objects.filter(item__sku=sku, status=OrderStatus.PENDING).count() == 3
 
 
 def test_the_metrics_need_the_token_unless_the_local_targets_open_them():
@@ -260,3 +372,33 @@ def test_the_worker_counts_the_orders_it_settles_and_their_lag_on_its_own_port()
         settled = samples.get(("flashsale_orders_settled_total", (("outcome", outcome),)), 0)
         assert settled == statuses.get(outcome, 0), (outcome, statuses)
     assert samples[("flashsale_settle_lag_seconds_count", ())] == 6
+
+
+def test_the_worker_counts_the_retries_of_a_task_while_redis_is_away():
+    # Given an order that failed, whose units Redis has yet to get back, and a worker whose
+    # Redis is not there (its broker is)
+    celery_app.control.purge()
+    sku = f"retried-{uuid.uuid4().hex[:6]}"
+    start_sale(sku=sku, stock=5, strategy="lua")
+    order = place_order(sku=sku, qty=1, buyer="declined").order
+    Order.objects.filter(pk=order.pk).update(status=OrderStatus.FAILED)
+    port = free_port()
+    worker = start_worker(
+        REDIS_URL=f"redis://127.0.0.1:{free_port()}/0", FLASHSALE_WORKER_METRICS_PORT=port
+    )
+    retries = ("flashsale_task_retries_total", (("task", give_back_task.name),))
+
+    def retried() -> float:
+        try:
+            text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        except requests.RequestException:
+            return 0
+        return _samples(text).get(retries, 0)
+
+    try:
+        # When the give-back is handed to it
+        give_back_task.delay([order.pk])
+        # Then it retries (with growing waits), each retry counted
+        assert wait_until(lambda: retried() >= 2, timeout=60), retried()
+    finally:
+        worker.stop()
