@@ -41,6 +41,7 @@ from redis.exceptions import LockError, LockNotOwnedError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import scripts
+from .wakes import WakeHub, hub_for
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +183,13 @@ class Lock:
       this thread's (and resets its TTL); if it is not (it expired), the acquisition starts
       afresh. Release in the reverse order of acquisition: the first acquisition's watchdog
       keeps the lock for all of them.
+    * ``wake_hub="<prefix>"``: waiters wait through this process's wake hub
+      (:mod:`locking.wakes`) instead of each blocking in ``BLPOP`` on a connection of its own:
+      the release pushes the hand-over onto the hub's one list, ``<prefix>:<hub id>``, and
+      the hub's one connection wakes the waiter in-process. A waiter then holds no
+      connection while it waits, so a thousand waiters do not need a thousand connections,
+      and a bounded pool always has one for the holder's release. FIFO order, wait slices
+      and the give-up rules are the same.
     * The scripts derive the wake key of the next owner from the lock name inside Lua:
       they suit a single Redis, not a Redis Cluster.
     """
@@ -203,6 +211,7 @@ class Lock:
         replicas: int = 0,
         replica_timeout: Number = 0.1,
         reentrant: bool = False,
+        wake_hub: str | None = None,
     ) -> None:
         if watchdog and not timeout:
             raise ValueError("watchdog=True needs a timeout: there is no TTL to renew")
@@ -227,6 +236,7 @@ class Lock:
         self.replicas = replicas
         self.replica_timeout = replica_timeout
         self.reentrant = reentrant
+        self.wake_hub = wake_hub
         # Locks of one name on one client are the same lock to a thread taking it again.
         self._reentry_key = (id(redis.connection_pool), name)
         self.max_wait_slice = (
@@ -340,6 +350,23 @@ class Lock:
                 self._took(token_bytes, fence)
             return acquired
 
+        hub = self._hub()
+        if hub is None:
+            return self._wait_in_turn(token_bytes, blocking_timeout, b"")
+        hub.register(token_bytes)  # before queueing: no hand-over can come sooner
+        try:
+            return self._wait_in_turn(token_bytes, blocking_timeout, hub.key)
+        finally:
+            hub.unregister(token_bytes)
+
+    def _hub(self) -> WakeHub | None:
+        return None if self.wake_hub is None else hub_for(self.redis, self.wake_hub)
+
+    def _wait_in_turn(
+        self, token_bytes: bytes, blocking_timeout: Number | None, wake_list: bytes
+    ) -> bool:
+        """Take the lock, or queue for it and wait until handed it, taken for free, or out
+        of time; a hand-over is pushed onto `wake_list` (b"": this waiter's own wake key)."""
         deadline = None if blocking_timeout is None else time.monotonic() + blocking_timeout
         # A queue entry is renewed after every wait slice; it stays valid a little longer.
         entry_ms = int(self.max_wait_slice * 1000) + QUEUE_GRACE_MS
@@ -354,7 +381,7 @@ class Lock:
                     valid_ms = 0  # out of time already: one attempt, never queued
                 else:
                     valid_ms = min(entry_ms, left_ms)
-            acquired, pttl, fence = self._take_or_queue(token_bytes, valid_ms)
+            acquired, pttl, fence = self._take_or_queue(token_bytes, valid_ms, wake_list)
             if acquired:
                 self._took(token_bytes, fence)
                 return True
@@ -397,15 +424,18 @@ class Lock:
         """
         self._took(self.redis.get_encoder().encode(token), fence)
 
-    def _take_or_queue(self, token: bytes, valid_ms: int) -> tuple[bool, int, int | None]:
-        """Take the lock if free, else queue ``token`` for ``valid_ms`` (0: do not queue).
+    def _take_or_queue(
+        self, token: bytes, valid_ms: int, wake_list: bytes = b""
+    ) -> tuple[bool, int, int | None]:
+        """Take the lock if free, else queue ``token`` for ``valid_ms`` (0: do not queue),
+        to be woken on ``wake_list`` (b"": its own wake key).
 
         Returns (acquired, PTTL of the lock when not acquired, the fence when acquired).
         """
         try:
             acquired, pttl, *fence = self._take_or_queue_script(
                 keys=[self.name, self.queue_name, self.waiters_name, self._wake_key(token)],
-                args=[token, self._ttl_ms() or 0, valid_ms],
+                args=[token, self._ttl_ms() or 0, valid_ms, wake_list],
                 client=self.redis,
             )
             return bool(acquired), int(pttl), int(fence[0]) if acquired else None
@@ -453,6 +483,9 @@ class Lock:
         # Milliseconds are Redis' resolution; rounding also keeps the float out of
         # exponent notation.
         seconds = round(max(seconds, MIN_WAIT), 3)
+        hub = self._hub()
+        if hub is not None:
+            return hub.wait(token, seconds)
         try:
             woken = self.redis.blpop([self._wake_key(token)], timeout=seconds)
         except RedisTimeoutError:

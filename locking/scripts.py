@@ -16,9 +16,12 @@ from redis.commands.core import Script
 
 # The lock's helper keys, all derived from the lock name:
 #   <name>:queue          list of waiting tokens, oldest first (FIFO order)
-#   <name>:waiters        hash token -> "<deadline ms> <ttl ms>" for every queued token
+#   <name>:waiters        hash token -> "<deadline ms> <ttl ms>[ <wake list>]" for every
+#                         queued token
 #   <name>:wake:<token>   one waiter's wake: the release that hands it the lock pushes here
-#                         the fence it was granted
+#                         the fence it was granted; or, for a waiter whose entry names a wake
+#                         list (a process's wake hub, locking.wakes), the release pushes
+#                         "<token> <fence>" onto that list instead
 #   <name>:fence          the fencing token of the lock's latest grant (see grant_fence)
 # A token is in the list exactly when it is in the hash; every script below changes both
 # together. The deadline is Redis server time (TIME), so waiters' clocks do not matter.
@@ -26,9 +29,9 @@ from redis.commands.core import Script
 # entry; a wake key lives a few seconds. Nothing outlives the waiters that created it.
 # TIME followed by writes needs effects replication, the default since Redis 5 (and the
 # only mode since 7), so no script calls redis.replicate_commands().
-# The release script builds the next waiter's wake key from the lock name, and every grant the
-# fence key, keys they are not passed in KEYS: the scripts suit a single Redis (or one with all
-# keys on one node), not a Redis Cluster.
+# The release script builds the next waiter's wake key from the lock name (or reads it from the
+# waiter's entry), and every grant the fence key, keys they are not passed in KEYS: the scripts
+# suit a single Redis (or one with all keys on one node), not a Redis Cluster.
 
 # Every script that grants a lock (to a caller, to a queued waiter, to the first free shard)
 # also hands out a fencing token: a number that grows with every grant of that lock name, so
@@ -59,7 +62,8 @@ end
 
 # KEYS[1] lock name, KEYS[2] queue, KEYS[3] waiters, KEYS[4] this waiter's wake key
 # ARGV[1] owner token, ARGV[2] lock TTL in ms ("0": none),
-# ARGV[3] how long a queue entry stays valid, in ms ("0": take the lock if free, never queue)
+# ARGV[3] how long a queue entry stays valid, in ms ("0": take the lock if free, never queue),
+# ARGV[4] the list a release that hands us the lock pushes our wake onto ("": our own wake key)
 # Returns {1, 0, fence} when the lock is ours: it was free and is now set to ARGV[1] (a new
 # grant: fence is its fencing token), or it already held ARGV[1] (handed over to us, or an
 # earlier run of this very call, whose reply was lost, took it: fence is that grant's). Our
@@ -81,6 +85,9 @@ if held and held ~= ARGV[1] then
         local now = redis.call('time')
         local deadline = now[1] * 1000 + math.floor(now[2] / 1000) + valid
         local entry = string.format('%.0f %s', deadline, ARGV[2])
+        if ARGV[4] ~= '' then
+            entry = entry .. ' ' .. ARGV[4]
+        end
         if redis.call('hset', KEYS[3], ARGV[1], entry) == 1 then
             redis.call('rpush', KEYS[2], ARGV[1])
         end
@@ -116,7 +123,8 @@ return {1, 0, fence}
 # handed the lock later). Otherwise:
 # * hands the lock over: pops the queue head, skipping entries whose deadline (server
 #   TIME) has passed, sets the lock to that waiter's token with that waiter's TTL, pushes
-#   the waiter's fencing token (a new grant) onto its own wake and returns 2. The waiter
+#   the waiter's fencing token (a new grant) onto its own wake (or "<token> <fence>" onto
+#   the wake list its entry names) and returns 2. The waiter
 #   owns the lock from this moment on, without a round trip of its own; a waiter that died
 #   while queued is handed the lock all the same, which then expires after its TTL like a
 #   crashed holder's.
@@ -144,15 +152,26 @@ while true do
             now = time[1] * 1000 + math.floor(time[2] / 1000)
         end
         local space = string.find(entry, ' ', 1, true)
-        local ttl = string.sub(entry, space + 1)
+        local rest = string.sub(entry, space + 1)
+        local ttl, hub = rest, nil
+        local second = string.find(rest, ' ', 1, true)
+        if second then
+            ttl, hub = string.sub(rest, 1, second - 1), string.sub(rest, second + 1)
+        end
         if tonumber(string.sub(entry, 1, space - 1)) > now then
             if ttl == '0' then
                 redis.call('set', KEYS[1], waiter)
             else
                 redis.call('set', KEYS[1], waiter, 'PX', ttl)
             end
-            local wake = KEYS[1] .. ':wake:' .. waiter
-            redis.call('rpush', wake, string.format('%.0f', grant_fence(KEYS[1])))
+            local fence = string.format('%.0f', grant_fence(KEYS[1]))
+            local wake = hub
+            if hub then
+                redis.call('rpush', hub, waiter .. ' ' .. fence)
+            else
+                wake = KEYS[1] .. ':wake:' .. waiter
+                redis.call('rpush', wake, fence)
+            end
             redis.call('pexpire', wake, ARGV[2])
             return 2
         end

@@ -59,8 +59,10 @@ class SlowToGiveUp(CountingLock):
 
     giving_up = threading.Event()
 
-    def _take_or_queue(self, token: bytes, valid_ms: int) -> tuple[bool, int, int | None]:
-        return super()._take_or_queue(token, valid_ms + 300 if valid_ms else 0)
+    def _take_or_queue(
+        self, token: bytes, valid_ms: int, wake_list: bytes = b""
+    ) -> tuple[bool, int, int | None]:
+        return super()._take_or_queue(token, valid_ms + 300 if valid_ms else 0, wake_list)
 
     def _give_up(self, token: bytes) -> int | None:
         self.giving_up.set()
@@ -129,11 +131,19 @@ ACQUISITIONS = 200
 
 
 def _count_under_the_lock(
-    url: str, name: str, counter: str, holders: str, ttl: float, watchdog: bool, barrier, results
+    url: str,
+    name: str,
+    counter: str,
+    holders: str,
+    ttl: float,
+    watchdog: bool,
+    wake_hub: str | None,
+    barrier,
+    results,
 ) -> None:
     client = redis.Redis.from_url(url)
     try:
-        lock = CountingLock(client, name, timeout=ttl, watchdog=watchdog)
+        lock = CountingLock(client, name, timeout=ttl, watchdog=watchdog, wake_hub=wake_hub)
         most_holders = failures = 0
         barrier.wait(60)
         for _ in range(ACQUISITIONS):
@@ -154,11 +164,17 @@ def _count_under_the_lock(
         client.close()
 
 
+#: How waiters wait: each blocked on a wake key of its own, or all of a process's through its
+#: wake hub (locking.wakes).
+WAKES = pytest.mark.parametrize("wake_hub", [None, "wakes"], ids=["own-wakes", "wake-hub"])
+
+
+@WAKES
 @pytest.mark.parametrize(
     ("ttl", "watchdog"), [(10.0, False), (0.3, True)], ids=["ttl", "short-ttl-watchdog"]
 )
 def test_contended_handoff_keeps_mutual_exclusion(
-    r: redis.Redis, prefix: str, ttl: float, watchdog: bool
+    r: redis.Redis, prefix: str, ttl: float, watchdog: bool, wake_hub: str | None
 ) -> None:
     name, counter, holders = prefix + "counted", prefix + "counter", prefix + "holders"
     ctx = multiprocessing.get_context("spawn")
@@ -166,7 +182,17 @@ def test_contended_handoff_keeps_mutual_exclusion(
     procs = [
         ctx.Process(
             target=_count_under_the_lock,
-            args=(redis_url(), name, counter, holders, ttl, watchdog, barrier, results),
+            args=(
+                redis_url(),
+                name,
+                counter,
+                holders,
+                ttl,
+                watchdog,
+                wake_hub and prefix + wake_hub,
+                barrier,
+                results,
+            ),
         )
         for _ in range(PROCESSES)
     ]
@@ -181,14 +207,16 @@ def test_contended_handoff_keeps_mutual_exclusion(
     assert int(r.get(holders)) == 0
     assert r.exists(name, name + ":queue", name + ":waiters") == 0
     assert list(r.scan_iter(match=name + ":wake:*")) == []
+    assert list(r.scan_iter(match=f"{prefix}wakes:*")) == []  # every hand-over delivered
 
 
 # -- FIFO ------------------------------------------------------------------------------
 
 
+@WAKES
 @pytest.mark.parametrize("wait_slice", [5.0, 0.02], ids=["long-waits", "re-queueing-often"])
 def test_waiters_get_the_lock_in_the_order_they_queued(
-    r: redis.Redis, prefix: str, clients, wait_slice: float
+    r: redis.Redis, prefix: str, clients, wait_slice: float, wake_hub: str | None
 ) -> None:
     """With a 20 ms wait slice, each waiter runs its queueing script again and again
     while the holder works: it must keep its place and never appear twice."""
@@ -200,7 +228,13 @@ def test_waiters_get_the_lock_in_the_order_they_queued(
         started = []
         for index in range(waiters):
             client = clients()
-            lock = Lock(client, name, timeout=30, max_wait_slice=wait_slice)
+            lock = Lock(
+                client,
+                name,
+                timeout=30,
+                max_wait_slice=wait_slice,
+                wake_hub=wake_hub and prefix + wake_hub,
+            )
 
             def take_turn(lock=lock, client=client, index=index, order=order) -> bool:
                 if not lock.acquire(blocking_timeout=20):
@@ -237,9 +271,10 @@ def test_waiters_get_the_lock_in_the_order_they_queued(
 # -- giving up while a release hands the lock over -------------------------------------
 
 
+@WAKES
 @pytest.mark.parametrize("lock_cls", [CountingLock, SlowToGiveUp], ids=["as-is", "slow-to-give-up"])
 def test_a_waiter_that_gives_up_never_keeps_the_lock(
-    r: redis.Redis, prefix: str, clients, lock_cls: type[CountingLock]
+    r: redis.Redis, prefix: str, clients, lock_cls: type[CountingLock], wake_hub: str | None
 ) -> None:
     """Three waiters with short blocking timeouts against a holder releasing at about the
     same moment (a random moment, or as the first give-up starts), many times over:
@@ -247,7 +282,12 @@ def test_a_waiter_that_gives_up_never_keeps_the_lock(
     and nothing of the others is left queued."""
     name = prefix + "give-up-race"
     rounds = 300
-    locks = [lock_cls(clients(), name, timeout=30, thread_local=False) for _ in range(3)]
+    locks = [
+        lock_cls(
+            clients(), name, timeout=30, thread_local=False, wake_hub=wake_hub and prefix + wake_hub
+        )
+        for _ in range(3)
+    ]
     rng = random.Random(1234)
     rounds_won = rounds_lost = 0
     for _ in range(rounds):

@@ -1,0 +1,172 @@
+"""One wake-up channel for all the lock waiters of a process.
+
+A waiter of :class:`~locking.Lock` with no hub blocks in ``BLPOP`` on a wake key of its own,
+holding a connection for its whole wait: a thousand waiters hold a thousand connections, and
+with a bounded pool the holder may find none left to release or renew its lock.
+
+A :class:`WakeHub` gives every waiter of the process (of any lock on the same Redis) one list
+to be woken through, ``<prefix>:<hub id>``, and one connection of its own that blocks on it.
+A waiter registers its token with the hub before it queues; its queue entry names the hub's
+list, so the release that hands it the lock pushes ``<token> <fence>`` there; the hub's
+thread pops it and sets the waiter's event. Waiting costs a waiter no connection: it uses
+the client's pool only for its short scripts (queueing, renewing its entry after each wait
+slice, withdrawing), so the connections a process opens do not grow with its waiters.
+
+Nothing is lost if the hub misses a wake (its connection dropped with the reply in flight,
+its thread late): the release set the lock to the waiter's token before pushing, and the
+waiter's next queueing script, at the end of its wait slice, finds the lock holding its
+token and returns it granted, as it does without a hub.
+
+The hub's list expires a few seconds after the last wake pushed onto it (the release sets
+its TTL), so a process that dies leaves nothing behind. After a fork the child gets hubs of
+its own (`hub_for`): the thread and the connection stay with the parent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+import weakref
+from typing import Any
+
+import redis
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+logger = logging.getLogger(__name__)
+
+#: Longest single BLPOP of the hub (bounded by half the socket timeout, when there is one).
+DEFAULT_SLICE = 1.0
+#: How long the hub waits before it tries again after a Redis error, at most.
+MAX_BACKOFF = 1.0
+
+
+class _Waiter:
+    __slots__ = ("event", "fence")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.fence: int | None = None
+
+
+class WakeHub:
+    """Receives the lock hand-overs of this process's waiters on one list and one connection.
+
+    ``client`` is the Redis the locks live on; the hub opens one connection of its own to it,
+    with the same connection settings, outside the client's pool (so it never takes one of
+    the pool's connections away from a holder). ``prefix`` names the hub's list.
+    """
+
+    def __init__(self, client: Any, prefix: str = "locking:wakes") -> None:
+        pool = client.connection_pool
+        kwargs = dict(pool.connection_kwargs)
+        self.key = f"{prefix}:{uuid.uuid4().hex}".encode()
+        socket_timeout = kwargs.get("socket_timeout")
+        self.slice = min(DEFAULT_SLICE, socket_timeout / 2) if socket_timeout else DEFAULT_SLICE
+        self._redis = redis.Redis(
+            connection_pool=redis.ConnectionPool(
+                connection_class=pool.connection_class, max_connections=1, **kwargs
+            )
+        )
+        self._waiters: dict[bytes, _Waiter] = {}
+        self._mutex = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        #: Wakes popped from the list, and those of them no registered waiter was there for.
+        self.delivered = 0
+        self.unclaimed = 0
+
+    def register(self, token: bytes) -> None:
+        """Be told of a hand-over to `token` from now on (call it before queueing)."""
+        with self._mutex:
+            self._waiters[token] = _Waiter()
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name=f"lock-wake-hub:{self.key.decode()}", daemon=True
+                )
+                self._thread.start()
+
+    def unregister(self, token: bytes) -> None:
+        with self._mutex:
+            self._waiters.pop(token, None)
+
+    def wait(self, token: bytes, seconds: float) -> int | None:
+        """Wait up to `seconds` for the lock to be handed to `token`: its fence, else None."""
+        waiter = self._waiters.get(token)
+        if waiter is None:
+            raise RuntimeError("wait() for a token that is not registered")
+        if not waiter.event.wait(max(seconds, 0.0)):
+            return None
+        waiter.event.clear()
+        fence, waiter.fence = waiter.fence, None
+        return fence
+
+    def close(self) -> None:
+        """Stop the hub's thread and close its connection (tests; a process just exits)."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(self.slice + 5)
+        self._redis.close()
+
+    def _run(self) -> None:
+        backoff = 0.01
+        while not self._stop.is_set():
+            try:
+                popped = self._redis.blpop([self.key], timeout=round(self.slice, 3))
+            except RedisTimeoutError:
+                continue  # the socket timed out before the BLPOP did: no wake came
+            except RedisError as exc:
+                # Redis is away: waiters carry on by their wait slices meanwhile.
+                logger.info("lock wake hub %s: %s; trying again", self.key.decode(), exc)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF)
+                continue
+            backoff = 0.01
+            if popped is not None:
+                message = popped[1]
+                # (a client with decode_responses hands back str)
+                self._deliver(message.encode() if isinstance(message, str) else message)
+
+    def _deliver(self, message: bytes) -> None:
+        token, _, fence = message.rpartition(b" ")
+        with self._mutex:
+            waiter = self._waiters.get(token)
+            self.delivered += 1
+            if waiter is None:
+                # Its waiter gave up (its withdrawal kept a lock handed over just before).
+                self.unclaimed += 1
+                return
+            waiter.fence = int(fence)
+            waiter.event.set()
+
+
+_hubs: dict[tuple[int, str], WakeHub] = {}
+_hubs_lock = threading.Lock()
+_hubs_pid = os.getpid()
+
+
+def hub_for(client: Any, prefix: str = "locking:wakes") -> WakeHub:
+    """This process's hub for the Redis of `client`'s pool (one per pool and prefix)."""
+    global _hubs_pid
+    with _hubs_lock:
+        if _hubs_pid != os.getpid():
+            _hubs.clear()  # a forked child: the parent's hubs' threads are not here
+            _hubs_pid = os.getpid()
+        pool = client.connection_pool
+        key = (id(pool), prefix)
+        hub = _hubs.get(key)
+        if hub is None:
+            hub = _hubs[key] = WakeHub(client, prefix)
+            # A pool that goes away takes its hub with it (and frees its id for reuse).
+            weakref.finalize(pool, _forget, key, hub)
+        return hub
+
+
+def _forget(key: tuple[int, str], hub: WakeHub) -> None:
+    with _hubs_lock:
+        if _hubs.get(key) is hub:
+            del _hubs[key]
+    hub._stop.set()
