@@ -224,8 +224,11 @@ FLASHSALE_LOCK_WATCHDOG = env.bool("FLASHSALE_LOCK_WATCHDOG", default=True)
 # What builds the strategies' locks (a dotted path; `locking.Lock`, ours, by default): the seam
 # through which the benchmark runs `lock` with a peer's lock (inventory.strategies.plumbing).
 FLASHSALE_LOCK_FACTORY = env.str("FLASHSALE_LOCK_FACTORY", default="locking.Lock")
-# Pitfall toggle: False makes `lock` write back the stock it read instead of a version-checked
-# UPDATE, which oversells as soon as a lock expires mid-work. Never turn off outside a demo.
+# On: a process's lock waiters wait through one wake-up channel (locking.wakes: one list, one
+# connection), so its connections do not grow with its waiters (threaded or gevent workers).
+# Off (the default): each waiter blocks in BLPOP on a connection of its own, which a sync
+# worker, one checkout at a time, pays no more for, and which hands over faster.
+FLASHSALE_LOCK_WAKE_HUB = env.bool("FLASHSALE_LOCK_WAKE_HUB", default=False)
 # Optimistic: how many version-checked attempts before answering busy.
 FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS = env.int("FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS", default=20)
 # ...after which one attempt queues for the item's row lock, at most this long (ms).

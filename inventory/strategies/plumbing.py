@@ -56,14 +56,20 @@ def new_lock(name: str, *, strategy: str) -> Lock:
     Built by FLASHSALE_LOCK_FACTORY (`locking.Lock`, ours, unless set): the seam through which
     the benchmark runs the very code of `lock` and `segmented` with a peer's lock. A factory
     takes (client, name, *, timeout, blocking_timeout, watchdog) and returns an object with
-    Lock's acquire(token=...), release(), owned(), `local.token`, `name` and `lost`.
+    Lock's acquire(token=...), release(), owned(), `local.token`, `name` and `lost`. Ours
+    waits through the process's wake hub (`locking.wakes`) when FLASHSALE_LOCK_WAKE_HUB is on.
     """
-    lock = _lock_factory(settings.FLASHSALE_LOCK_FACTORY)(
+    factory = _lock_factory(settings.FLASHSALE_LOCK_FACTORY)
+    options: dict[str, Any] = {}
+    if settings.FLASHSALE_LOCK_WAKE_HUB and isinstance(factory, type) and issubclass(factory, Lock):
+        options["wake_hub"] = keys.key("lock-wakes")
+    lock = factory(
         get_redis_client(),
         name,
         timeout=settings.FLASHSALE_LOCK_TTL_MS / 1000,
         blocking_timeout=settings.FLASHSALE_LOCK_WAIT_MS / 1000,
         watchdog=settings.FLASHSALE_LOCK_WATCHDOG,
+        **options,
     )
     _lock_strategy[lock] = strategy
     return lock

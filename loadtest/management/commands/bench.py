@@ -1,9 +1,12 @@
-"""`manage.py bench strategies|locks|settle [ARGS...]`: the benchmarks without HTTP (`make bench`).
+"""`manage.py bench strategies|locks|settle|waiters [ARGS...]`: the benchmarks without HTTP
+(`make bench`).
 
 `bench strategies` is `python -m loadtest.bench_strategies` (every strategy, the peer locks
 and the ceilings, in the load-run sandbox); `bench locks` is `python -m loadtest.bench_locks`
 (our lock and the peers' with no database); `bench settle` is the order pipeline
-(`loadtest.bench.settle`: what workers settle against what a flood accepts). ARGS go to them
+(`loadtest.bench.settle`: what workers settle against what a flood accepts); `bench waiters`
+is `python -m loadtest.bench_waiters` (a thousand lock waiters in one process: connections and
+hand-overs, with and without the wake hub). ARGS go to them
 as they are: `bench strategies --help` lists them.
 """
 
@@ -19,14 +22,16 @@ BENCHMARKS = {
     "strategies": "loadtest.bench.strategies",
     "locks": "loadtest.bench_locks",
     "settle": "loadtest.bench.settle",
+    "waiters": "loadtest.bench_waiters",
 }
 
 
 class Command(BaseCommand):
     help = (
         "Run a benchmark without HTTP: `bench strategies` (every strategy against the peers "
-        "and the ceilings), `bench locks` (the locks alone) or `bench settle` (the order "
-        "workers against a flood); the arguments after it go to the benchmark "
+        "and the ceilings), `bench locks` (the locks alone), `bench settle` (the order "
+        "workers against a flood) or `bench waiters` (lock waiters and connections); the "
+        "arguments after it go to the benchmark "
         "(`bench strategies --help`)."
     )
 

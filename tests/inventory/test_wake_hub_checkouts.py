@@ -1,0 +1,56 @@
+"""The lock strategies with FLASHSALE_LOCK_WAKE_HUB on: the checkouts of one threaded process
+wait through its one wake-up channel, and still sell exactly the stock."""
+
+from __future__ import annotations
+
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from django.db import connection
+
+from inventory import keys
+from inventory.exceptions import Busy, SoldOut
+from inventory.redis_client import get_redis_client
+from inventory.selectors import audit_sale
+from inventory.services import place_order, start_sale
+from locking.wakes import hub_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+STOCK, ATTEMPTS, THREADS = 40, 120, 16
+
+
+@pytest.mark.parametrize("strategy", ["lock", "segmented"])
+def test_threads_of_one_process_sell_exactly_the_stock_through_the_wake_hub(settings, strategy):
+    # Given a process whose lock waiters share its wake hub, and checkouts that hold the
+    # lock long enough for a queue to form
+    settings.FLASHSALE_LOCK_WAKE_HUB = True
+    settings.FLASHSALE_HOLD_DELAY_MS = 2
+    sku = f"hub-{strategy}-{uuid.uuid4().hex[:6]}"
+    start_sale(sku=sku, stock=STOCK, strategy=strategy)
+    hub = hub_for(get_redis_client(), keys.key("lock-wakes"))
+    delivered_before = hub.delivered
+
+    # When 16 of its threads try 120 checkouts of one unit
+    def attempt(number: int) -> str:
+        try:
+            place_order(sku=sku, qty=1, buyer=f"b{number}")
+            return "sold"
+        except SoldOut:
+            return "sold_out"
+        except Busy:
+            return "busy"
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(THREADS) as pool:
+        outcomes = list(pool.map(attempt, range(ATTEMPTS)))
+
+    # Then exactly the stock was sold, the rest refused as sold out, and the hand-overs came
+    # through the hub
+    assert outcomes.count("sold") == STOCK, outcomes
+    assert outcomes.count("sold_out") == ATTEMPTS - STOCK, outcomes
+    audit = audit_sale(sku)
+    assert audit["oversold"] == 0 and audit["remaining"] == 0 and audit["consistent"], audit
+    assert hub.delivered > delivered_before
