@@ -74,9 +74,8 @@ class WakeHub:
         self._mutex = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        #: Wakes popped from the list, and those of them no registered waiter was there for.
+        #: Wakes popped from the list (a waiter that gave up may no longer be there for one).
         self.delivered = 0
-        self.unclaimed = 0
 
     def register(self, token: bytes) -> None:
         """Be told of a hand-over to `token` from now on (call it before queueing)."""
@@ -137,7 +136,6 @@ class WakeHub:
             self.delivered += 1
             if waiter is None:
                 # Its waiter gave up (its withdrawal kept a lock handed over just before).
-                self.unclaimed += 1
                 return
             waiter.fence = int(fence)
             waiter.event.set()

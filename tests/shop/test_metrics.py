@@ -44,6 +44,15 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
+def _checkout(url: str, sku: str, buyer: str) -> requests.Response:
+    body = {"sku": sku, "qty": 1, "buyer": buyer}
+    return requests.post(f"{url}/api/checkout", json=body, timeout=30)
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return _samples(requests.get(f"{url}/metrics", timeout=10).text)
+
+
 def test_one_scrape_counts_the_checkouts_of_every_worker_by_strategy_and_outcome():
     # Given a shop of 4 workers, open to this machine as under `make serve`
     sku = f"metered-{uuid.uuid4().hex[:6]}"
@@ -53,14 +62,11 @@ def test_one_scrape_counts_the_checkouts_of_every_worker_by_strategy_and_outcome
         # When a crowd checks out more than the stock, over new connections (so every worker
         # serves some), and asks for an item that does not exist
         def buy(number: int) -> int:
-            body = {"sku": sku, "qty": 1, "buyer": f"b{number}"}
-            return requests.post(f"{server.url}/api/checkout", json=body, timeout=30).status_code
+            return _checkout(server.url, sku, f"b{number}").status_code
 
         with ThreadPoolExecutor(max_workers=12) as pool:
             statuses = list(pool.map(buy, range(CHECKOUTS)))
-        unknown = requests.post(
-            f"{server.url}/api/checkout", json={"sku": "nothing-here", "qty": 1, "buyer": "x"}
-        )
+        unknown = _checkout(server.url, "nothing-here", "x")
         scrape = requests.get(f"{server.url}/metrics", timeout=10)
         # (each worker that counted has a file of its own in the server's directory)
         assert server.metrics_dir is not None
@@ -99,13 +105,8 @@ def test_checkouts_served_by_the_fallback_and_the_open_breaker_are_counted():
         REDIS_URL=f"redis://127.0.0.1:{free_port()}/0", FLASHSALE_METRICS_LOOPBACK="true"
     )
     try:
-        answers = [
-            requests.post(
-                f"{server.url}/api/checkout", json={"sku": sku, "qty": 1, "buyer": f"b{n}"}
-            )
-            for n in range(6)
-        ]
-        samples = _samples(requests.get(f"{server.url}/metrics", timeout=10).text)
+        answers = [_checkout(server.url, sku, f"b{n}") for n in range(6)]
+        samples = _scrape(server.url)
     finally:
         server.stop()
     # Then each sale went through the database fallback, and the breaker is open
@@ -115,11 +116,6 @@ def test_checkouts_served_by_the_fallback_and_the_open_breaker_are_counted():
     accepted = ("flashsale_checkouts_total", (("outcome", "accepted"), ("strategy", "lua")))
     assert samples[accepted] == 6
     assert samples[("flashsale_breaker_open", (("breaker", "redis"),))] == 1
-
-
-def _checkout(url: str, sku: str, buyer: str) -> requests.Response:
-    body = {"sku": sku, "qty": 1, "buyer": buyer}
-    return requests.post(f"{url}/api/checkout", json=body, timeout=30)
 
 
 def test_lock_waits_that_time_out_and_a_lock_the_watchdog_loses_are_counted():
@@ -146,7 +142,7 @@ def test_lock_waits_that_time_out_and_a_lock_the_watchdog_loses_are_counted():
             # it gone at the next renewal
             redis.delete(lock_key)
             held = holder.result()
-        samples = _samples(requests.get(f"{server.url}/metrics", timeout=10).text)
+        samples = _scrape(server.url)
     finally:
         server.stop()
 
@@ -186,7 +182,7 @@ def test_a_write_refused_by_the_fencing_token_is_counted_as_a_lock_lost():
             assert wait_until(lambda: not redis.exists(lock_key), timeout=5)
             place_order(sku=sku, qty=1, buyer="later")
             answer = stalled.result()
-        samples = _samples(requests.get(f"{server.url}/metrics", timeout=10).text)
+        samples = _scrape(server.url)
     finally:
         server.stop()
 
@@ -215,7 +211,7 @@ def test_a_checkout_whose_broker_is_away_is_answered_and_the_broker_breaker_show
         answers = [_checkout(server.url, sku, f"b{n}") for n in range(3)]
 
         def broker_open() -> bool:
-            samples = _samples(requests.get(f"{server.url}/metrics", timeout=10).text)
+            samples = _scrape(server.url)
             return samples.get(("flashsale_breaker_open", (("breaker", "broker"),))) == 1
 
         # Then each checkout is sold (its order waits for the sweeper), and the breaker in
