@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from . import scripts
+from .cluster import by_slot, is_cluster
 
 
 def _positive_qty(qty: int) -> int:
@@ -74,6 +75,13 @@ class StockCounter:
     ``take`` never lets a counter go below zero and never creates one: the check and
     the DECRBY run in one Lua script, so concurrent takers cannot oversell.
     Redis errors propagate unchanged.
+
+    On a Redis Cluster, what one call must do atomically must share a slot (hash tags): one
+    ``take_spread``'s cursor, counters and claim; one ``take_spread_many`` take's; a
+    ``give_back_once``'s marker and counters; a counter and its version. Calls over many
+    counters that need no atomicity between them (``set_many``, ``get_many``,
+    ``give_back_many``, ``set_newer``, ``take_spread_many``'s takes, ``lock_first_holding``'s
+    rows) go slot by slot there.
     """
 
     #: ``take``/``give_back`` result: the counter key does not exist.
@@ -147,6 +155,15 @@ class StockCounter:
         Returns one result per take: what ``take_spread`` returns, or the take's claim where
         ``take_spread`` would raise :class:`KeyClaimed` (nothing taken).
         """
+        if is_cluster(self.redis):
+            groups = by_slot(takes, lambda take: take.cursor)
+            if len(groups) > 1:
+                merged: list[dict[int, int] | None | Claim] = [None] * len(takes)
+                for group in groups.values():
+                    done = self.take_spread_many([take for _, take in group])
+                    for (position, _), result in zip(group, done, strict=True):
+                        merged[position] = result
+                return merged
         keys: list[str] = []
         args: list[int | str] = []
         for take in takes:
@@ -194,6 +211,8 @@ class StockCounter:
         """
         if len(counters) != len(locks) or not counters:
             raise ValueError("one lock per counter, and at least one of each")
+        if is_cluster(self.redis) and len(counters) > 1:
+            return self._lock_first_apart(counters, locks, _positive_qty(qty), start, token, ttl_ms)
         reply = self._lock_first(
             keys=[*counters, *locks],
             args=[_positive_qty(qty), start, token, ttl_ms],
@@ -203,6 +222,38 @@ class StockCounter:
             return None, [], None
         row = int(reply[0])
         return row, [int(level) for level in reply[2:]], int(reply[1]) if row >= 0 else None
+
+    def _lock_first_apart(
+        self,
+        counters: Sequence[str],
+        locks: Sequence[str],
+        qty: int,
+        start: int,
+        token: str,
+        ttl_ms: int,
+    ) -> tuple[int | None, list[int], int | None]:
+        """``lock_first_holding`` over rows each in a slot of its own: read every counter, then
+        lock the first row in turn that holds qty, one row per script."""
+        raw = self.get_many(counters)
+        if any(level is None for level in raw):
+            return None, [], None
+        levels = [int(level or 0) for level in raw]
+        n = len(counters)
+        for step in range(n):
+            index = (start + step) % n
+            if levels[index] < qty:
+                continue
+            reply = self._lock_first(
+                keys=[counters[index], locks[index]],
+                args=[qty, 0, token, ttl_ms],
+                client=self.redis,
+            )
+            if reply[0] == self.MISSING:
+                return None, [], None
+            levels[index] = int(reply[2])
+            if int(reply[0]) == 0:
+                return index, levels, int(reply[1])
+        return -1, levels, None
 
     def release_claim(self, claim: Claim) -> None:
         """Give up ``claim`` if it is still this taker's (a twin may take again); nothing to
@@ -218,6 +269,10 @@ class StockCounter:
     def give_back_many(self, amounts: Mapping[str, int]) -> None:
         """Increment each counter by its amount (one round trip); missing counters stay
         missing, as with :meth:`give_back`."""
+        if is_cluster(self.redis):
+            for key, qty in amounts.items():
+                self._give_back(keys=[key], args=[_positive_qty(qty)], client=self.redis)
+            return
         pipe = self.redis.pipeline(transaction=False)
         for key, qty in amounts.items():
             self._give_back(keys=[key], args=[_positive_qty(qty)], client=pipe)
@@ -251,7 +306,11 @@ class StockCounter:
     def set_many(self, mapping: Mapping[str, int]) -> None:
         """Set several counters at once (one MSET); values are non-negative ints."""
         if mapping:
-            self.redis.mset({key: _stock_value(value) for key, value in mapping.items()})
+            values = {key: _stock_value(value) for key, value in mapping.items()}
+            if is_cluster(self.redis):
+                self.redis.mset_nonatomic(values)
+            else:
+                self.redis.mset(values)
 
     def set_newer(
         self,
@@ -271,6 +330,13 @@ class StockCounter:
         """
         if not levels:
             return 0
+        if is_cluster(self.redis):
+            groups = by_slot(levels.items(), lambda pair: pair[0])
+            if len(groups) > 1:
+                return sum(
+                    self.set_newer(dict(pair for _, pair in group), create=create, force=force)
+                    for group in groups.values()
+                )
         args: list[int] = [int(create), int(force)]
         for value, version in levels.values():
             if isinstance(version, bool) or not isinstance(version, int):
@@ -295,7 +361,8 @@ class StockCounter:
         keys = list(keys)
         if not keys:
             return []
-        return [None if raw is None else int(raw) for raw in self.redis.mget(keys)]
+        fetch = self.redis.mget_nonatomic if is_cluster(self.redis) else self.redis.mget
+        return [None if raw is None else int(raw) for raw in fetch(keys)]
 
 
 def version_key(key: str) -> str:

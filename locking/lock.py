@@ -41,6 +41,7 @@ from redis.exceptions import LockError, LockNotOwnedError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import scripts
+from .cluster import has_hash_tag, is_cluster
 from .wakes import WakeHub, hub_for
 
 logger = logging.getLogger(__name__)
@@ -190,8 +191,10 @@ class Lock:
       connection while it waits, so a thousand waiters do not need a thousand connections,
       and a bounded pool always has one for the holder's release. FIFO order, wait slices
       and the give-up rules are the same.
-    * The scripts derive the wake key of the next owner from the lock name inside Lua:
-      they suit a single Redis, not a Redis Cluster.
+    * On a Redis Cluster (a ``redis.cluster.RedisCluster`` client) the name must carry a hash
+      tag (``lock:{item:1}``): the scripts build the next owner's wake key and the fence key
+      from the name inside Lua, and the tag keeps them, the queue and the waiters in the
+      lock's slot. ``wake_hub`` needs a single Redis (ValueError on a cluster).
     """
 
     def __init__(
@@ -237,8 +240,19 @@ class Lock:
         self.replica_timeout = replica_timeout
         self.reentrant = reentrant
         self.wake_hub = wake_hub
+        if is_cluster(redis):
+            if not has_hash_tag(name):
+                raise ValueError(
+                    f"lock name {name!r} has no hash tag: on a Redis Cluster its helper keys "
+                    "(queue, waiters, wakes, fence) must share its slot, e.g. 'lock:{item:1}'"
+                )
+            if wake_hub is not None:
+                raise ValueError(
+                    "wake_hub needs a single Redis: the hub's one list cannot share the slot "
+                    "of every lock a process waits for"
+                )
         # Locks of one name on one client are the same lock to a thread taking it again.
-        self._reentry_key = (id(redis.connection_pool), name)
+        self._reentry_key = (id(getattr(redis, "connection_pool", redis)), name)
         self.max_wait_slice = (
             float(max_wait_slice) if max_wait_slice is not None else _default_slice(redis)
         )
@@ -797,7 +811,8 @@ def _tell_listeners(lock: Lock, *, renewed: bool) -> None:
 
 
 def _default_slice(client: Any) -> float:
-    pool = getattr(client, "connection_pool", None)
+    # A Redis keeps its connections' options on its pool, a RedisCluster on its nodes manager.
+    pool = getattr(client, "connection_pool", None) or getattr(client, "nodes_manager", None)
     kwargs = getattr(pool, "connection_kwargs", None) or {}
     socket_timeout = kwargs.get("socket_timeout")
     if socket_timeout:
