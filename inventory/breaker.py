@@ -16,7 +16,7 @@ from collections.abc import Callable
 from django.conf import settings
 
 from . import metrics
-from .redis_client import REDIS_DOWN_ERRORS, get_redis_client
+from .redis_client import REDIS_DOWN_ERRORS, ping
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ redis_recovery: list[Callable[[], None]] = []
 
 
 def _probe_redis() -> None:
-    get_redis_client().ping()
+    ping()
     for step in redis_recovery:
         step()
 

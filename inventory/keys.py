@@ -1,16 +1,28 @@
 """The shop's Redis key layout, in one place. Every key is `<FLASHSALE_REDIS_PREFIX>:...`:
 
-    lock:item:<sku>                         `lock`'s lock of the item (locking.Lock adds its own
-                                            suffixes, e.g. its wake-up list)
-    lock:item:<sku>:shard:<i>               `segmented`'s lock of shard i
-    item:<sku>:sale:<id>:row:<i>            what Redis believes stock row i of sale <id> holds
-                                            (`segmented`'s hints; `lua` decides by them)
-    item:<sku>:sale:<id>:turn               `lua`'s cursor over the rows
-    item:<sku>:sale:<id>:claim:<key>        a `lua` checkout's claim on its idempotency key
-    item:<sku>:sale:<id>:commits            group commit: the queued sales,
-    item:<sku>:sale:<id>:combiner           the combiner lock,
-    item:<sku>:sale:<id>:answer:<request>   each sale's answer
-    order:<pk>:returned                     set once a failed order's units are back in Redis
+    lock:{item:<sku>}                       `lock`'s lock of the item (locking.Lock adds its own
+                                            suffixes, e.g. its queue and fence)
+    lock:{item:<sku>:shard:<i>}             `segmented`'s lock of shard i
+    item:<sku>:sale:<id>:row:{item:<sku>:shard:<i>}
+                                            `segmented`'s hint of stock row i of sale <id>
+                                            (what Redis believes the row holds), and its version
+    item:<sku>:sale:<id>:{<sku>:<id>}:row:<i>
+                                            `lua`'s counter of stock row i (it decides by them)
+    item:<sku>:sale:<id>:{<sku>:<id>}:turn  `lua`'s cursor over the rows
+    item:<sku>:sale:<id>:{<sku>:<id>}:claim:<key>
+                                            a `lua` checkout's claim on its idempotency key
+    item:<sku>:sale:<id>:{<sku>:<id>}:commits, :combiner, :answer:<request>
+                                            group commit: the queued sales, the combiner lock,
+                                            each sale's answer
+    item:<sku>:sale:<id>:{<sku>:<id>}:returned:<order>
+                                            set once a failed order's units are back in Redis
+
+The braces are Redis Cluster hash tags: only the text inside them picks a key's slot, so every
+key one script touches shares one. A lock shares its slot with its own helper keys; a
+`segmented` shard's lock with its hint, each shard a slot of its own, so that a hot item's
+shards spread over a cluster's masters; everything of a `lua` sale (its counters, its cursor,
+its claims, its give-back markers) shares the sale's slot, since one script takes from all its
+counters. On a single Redis the braces are just characters.
 
 Whatever belongs to one sale lives under `item:<sku>:sale:<id>:`, so a restarted sale never
 meets its predecessor's keys and `stale_sale_keys` finds them to delete.
@@ -33,7 +45,7 @@ def key(*parts: object) -> str:
 
 
 def item_lock(item: Item) -> str:
-    return key("lock", "item", item.sku)
+    return key("lock", f"{{item:{item.sku}}}")
 
 
 def shard_locks(item: Item) -> list[str]:
@@ -41,17 +53,28 @@ def shard_locks(item: Item) -> list[str]:
 
 
 def sale_key(item: Item, *parts: object) -> str:
-    """A key of item's current sale: `<prefix>:item:<sku>:sale:<id>:<parts...>`."""
-    return key("item", item.sku, "sale", item.current_sale_id, *parts)
+    """A key of item's current sale, in the sale's slot:
+    `<prefix>:item:<sku>:sale:<id>:{<sku>:<id>}:<parts...>`."""
+    sale = item.current_sale_id
+    return key("item", item.sku, "sale", sale, f"{{{item.sku}:{sale}}}", *parts)
 
 
 def row(item: Item, index: int) -> str:
-    return sale_key(item, "row", index)
+    return rows(item)[index]
 
 
 def rows(item: Item) -> list[str]:
+    """The counters of the current sale's stock rows: each in a slot of its own, with its
+    shard's lock, for a strategy whose rows are locked apart (`segmented`), else all in the
+    sale's slot."""
     return list(
-        _rows(settings.FLASHSALE_REDIS_PREFIX, item.sku, item.current_sale_id, item.shard_count)
+        _rows(
+            settings.FLASHSALE_REDIS_PREFIX,
+            item.sku,
+            item.current_sale_id,
+            item.shard_count,
+            _rows_apart(item.strategy),
+        )
     )
 
 
@@ -75,13 +98,15 @@ def answer_prefix(item: Item) -> str:
     return sale_key(item, "answer", "")
 
 
-def returned_marker(order_pk: int) -> str:
-    """Set once an order's units are back in Redis, so a retried give-back adds nothing."""
-    return key("order", order_pk, "returned")
+def returned_marker(item: Item, order_pk: int) -> str:
+    """Set once an order's units are back in Redis, so a retried give-back adds nothing (in
+    the sale's slot, with the counters it adds to)."""
+    return sale_key(item, "returned", order_pk)
 
 
 def current_sale_prefix(item: Item) -> str:
-    return sale_key(item, "")
+    """What every key of item's current sale starts with (in whichever slot it lives)."""
+    return key("item", item.sku, "sale", item.current_sale_id, "")
 
 
 def every_sale_pattern(item: Item) -> str:
@@ -94,10 +119,29 @@ def every_sale_pattern(item: Item) -> str:
 
 
 @lru_cache(maxsize=1024)
-def _rows(prefix: str, sku: str, sale_id: int | None, count: int) -> tuple[str, ...]:
-    return tuple(key("item", sku, "sale", sale_id, "row", index) for index in range(count))
+def _rows(prefix: str, sku: str, sale_id: int | None, count: int, apart: bool) -> tuple[str, ...]:
+    if apart:
+        return tuple(
+            key("item", sku, "sale", sale_id, "row", _shard_tag(sku, index))
+            for index in range(count)
+        )
+    return tuple(
+        key("item", sku, "sale", sale_id, f"{{{sku}:{sale_id}}}", "row", index)
+        for index in range(count)
+    )
 
 
 @lru_cache(maxsize=1024)
 def _shard_locks(prefix: str, sku: str, count: int) -> tuple[str, ...]:
-    return tuple(key("lock", "item", sku, "shard", index) for index in range(count))
+    return tuple(key("lock", _shard_tag(sku, index)) for index in range(count))
+
+
+def _shard_tag(sku: str, index: int) -> str:
+    return f"{{item:{sku}:shard:{index}}}"
+
+
+@lru_cache(maxsize=64)
+def _rows_apart(strategy: str) -> bool:
+    from .strategies import get_strategy  # the strategies import this module
+
+    return get_strategy(strategy).rows_apart

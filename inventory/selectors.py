@@ -12,7 +12,7 @@ from django.db.models import Count, QuerySet, Sum
 from .breaker import breaker
 from .exceptions import NotOnSale, UnknownSku
 from .models import LIVE_STATUSES, SKU_PATTERN, Item, Order, OrderStatus, Sale, StockShard
-from .redis_client import REDIS_DOWN_ERRORS, get_redis_client
+from .redis_client import REDIS_DOWN_ERRORS, ping
 from .stock import prepared_cursor, shard_stocks
 from .strategies import get_strategy
 
@@ -214,7 +214,7 @@ def health() -> dict[str, Any]:
     except Exception as exc:  # any failure to answer is "down"
         database = f"down: {exc.__class__.__name__}"
     try:
-        get_redis_client().ping()
+        ping()
         redis_state = "ok"
     except REDIS_DOWN_ERRORS as exc:
         redis_state = f"down: {exc.__class__.__name__}"

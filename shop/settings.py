@@ -1,7 +1,8 @@
 """flashsale settings, read from the environment (12-factor).
 
-Required: DATABASE_URL. Optional: REDIS_URL (default redis://127.0.0.1:6379/0),
-CELERY_BROKER_URL (default REDIS_URL), DJANGO_SECRET_KEY, DJANGO_DEBUG, DJANGO_ALLOWED_HOSTS and the
+Required: DATABASE_URL. Optional: REDIS_URL (default redis://127.0.0.1:6379/0) or
+REDIS_CLUSTER_NODES (a Redis Cluster; CELERY_BROKER_URL is then required), CELERY_BROKER_URL
+(default REDIS_URL), DJANGO_SECRET_KEY, DJANGO_DEBUG, DJANGO_ALLOWED_HOSTS and the
 FLASHSALE_* knobs below. `make test|serve|demo` start embedded PostgreSQL and Redis when the first
 two are unset.
 """
@@ -140,8 +141,17 @@ REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
 # Short timeouts so a hung Redis costs a checkout well under a second before the fallback.
 REDIS_SOCKET_TIMEOUT = env.float("FLASHSALE_REDIS_TIMEOUT", default=0.5)
 REDIS_CONNECT_TIMEOUT = env.float("FLASHSALE_REDIS_CONNECT_TIMEOUT", default=0.5)
+# A Redis Cluster instead of one Redis: some or all of its nodes, "host:port,host:port"
+# (redis-py's RedisCluster finds the rest). Set, it replaces REDIS_URL for the shop's data.
+REDIS_CLUSTER_NODES = env.list("REDIS_CLUSTER_NODES", default=[])
 
 # --- Celery ------------------------------------------------------------------------------------
+if REDIS_CLUSTER_NODES and not env.str("CELERY_BROKER_URL", default=""):
+    raise ImproperlyConfigured(
+        "REDIS_CLUSTER_NODES is set but CELERY_BROKER_URL is not: Celery's Redis transport "
+        "cannot use a Redis Cluster. Set CELERY_BROKER_URL to a broker of its own, e.g. "
+        "amqp://guest:guest@rabbitmq:5672// or a standalone redis://host:6379/0."
+    )
 CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default=REDIS_URL)
 # Order tasks are idempotent, so they are acknowledged only once done and redelivered if the
 # worker dies: nothing accepted is lost.
@@ -229,6 +239,11 @@ FLASHSALE_LOCK_FACTORY = env.str("FLASHSALE_LOCK_FACTORY", default="locking.Lock
 # Off (the default): each waiter blocks in BLPOP on a connection of its own, which a sync
 # worker, one checkout at a time, pays no more for, and which hands over faster.
 FLASHSALE_LOCK_WAKE_HUB = env.bool("FLASHSALE_LOCK_WAKE_HUB", default=False)
+if FLASHSALE_LOCK_WAKE_HUB and REDIS_CLUSTER_NODES:
+    raise ImproperlyConfigured(
+        "FLASHSALE_LOCK_WAKE_HUB cannot be used with REDIS_CLUSTER_NODES: a release pushes the "
+        "hand-over onto the hub's one list, which lives in one slot, while the locks live in many"
+    )
 # Optimistic: how many version-checked attempts before answering busy.
 FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS = env.int("FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS", default=20)
 # ...after which one attempt queues for the item's row lock, at most this long (ms).

@@ -95,6 +95,9 @@ class StockStrategy(ABC):
     counts_in_redis: bool = False
     #: How many stock rows the strategy keeps for an item's sale (0: the item row alone).
     shard_count: int = 0
+    #: Whether each stock row's Redis counter lives apart, in a cluster slot of its own with its
+    #: row's lock (`segmented`), rather than all of a sale's in one slot (`inventory.keys`).
+    rows_apart: bool = False
     #: Whether a checkout may use an item read a moment ago (FLASHSALE_ITEM_MEMORY_MS): true
     #: when everything the strategy decides with is kept per sale and checked at the write,
     #: and it raises `inventory.stock.SaleRestarted` when it finds the sale restarted.

@@ -30,6 +30,7 @@ class RedisWithFallback(StockStrategy):
         self.oversells = primary.oversells
         self.shard_count = primary.shard_count
         self.counts_in_redis = primary.counts_in_redis
+        self.rows_apart = primary.rows_apart
         # The fallback decides from the database rows of the sale (and refuses a sale that is
         # no longer current) just as well.
         self.item_may_be_remembered = primary.item_may_be_remembered

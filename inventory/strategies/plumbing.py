@@ -264,7 +264,7 @@ def give_back_rows(item: Item, order: Order) -> None:
         keys.row(item, int(index)): units for index, units in (order.shard_units or {}).items()
     }
     if amounts:
-        counter().give_back_once(keys.returned_marker(order.pk), amounts)
+        counter().give_back_once(keys.returned_marker(item, order.pk), amounts)
 
 
 def rows_total(item: Item) -> int | None:

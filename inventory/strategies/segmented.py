@@ -63,6 +63,8 @@ class SegmentedStrategy(StockStrategy):
     uses_redis = True
     counts_in_redis = True
     shard_count = settings.FLASHSALE_SHARDS
+    # Each shard's hint shares a cluster slot with its lock, not with the other shards.
+    rows_apart = True
     # Hints, locks and rows are the sale's own, and its write refuses a sale restarted since:
     # a checkout may use an item read a moment ago.
     item_may_be_remembered = True

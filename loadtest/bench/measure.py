@@ -34,13 +34,20 @@ def process_cpu_seconds(pid: int) -> float | None:
 
 
 def redis_cpu_seconds() -> float | None:
-    from inventory.redis_client import get_redis_client
+    """User + system CPU of the Redis server; of every node, summed, on a cluster."""
+    from inventory.redis_client import get_redis_client, is_cluster
 
+    client = get_redis_client()
     try:
-        info = get_redis_client().info("cpu")
+        if is_cluster():
+            nodes = client.info("cpu", target_nodes=client.ALL_NODES).values()
+        else:
+            nodes = [client.info("cpu")]
     except Exception:
         return None
-    return float(info.get("used_cpu_user", 0)) + float(info.get("used_cpu_sys", 0))
+    return sum(
+        float(info.get("used_cpu_user", 0)) + float(info.get("used_cpu_sys", 0)) for info in nodes
+    )
 
 
 # -- where the time goes (--profile) ----------------------------------------------------------
