@@ -30,8 +30,9 @@ from redis.commands.core import Script
 # TIME followed by writes needs effects replication, the default since Redis 5 (and the
 # only mode since 7), so no script calls redis.replicate_commands().
 # The release script builds the next waiter's wake key from the lock name (or reads it from the
-# waiter's entry), and every grant the fence key, keys they are not passed in KEYS: the scripts
-# suit a single Redis (or one with all keys on one node), not a Redis Cluster.
+# waiter's entry), and every grant the fence key, keys they are not passed in KEYS. On a Redis
+# Cluster the lock's name carries a hash tag (locking.Lock insists), so those keys share the
+# slot of the keys passed; a wake hub's list (another slot) is for a single Redis only.
 
 # Every script that grants a lock (to a caller, to a queued waiter, to the first free shard)
 # also hands out a fencing token: a number that grows with every grant of that lock name, so
