@@ -257,3 +257,14 @@ class BuyerAllowance(models.Model):
 
     def __str__(self) -> str:
         return f"{self.buyer}: {self.units}/{self.unit_limit} of item {self.item_id}"
+
+
+class LockFence(models.Model):
+    """The latest fencing token handed out for a lock name by the database (`inventory.fences`):
+    the one source a quorum lock's fences come from, since no single master's may."""
+
+    name = models.CharField(max_length=200, primary_key=True)
+    fence = models.BigIntegerField()
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.fence}"

@@ -63,6 +63,32 @@ def get_redis_client() -> Any:
     return client
 
 
+_lock_clients: dict[tuple[int, tuple[str, ...]], list[redis.Redis]] = {}
+
+
+def get_lock_clients() -> list[redis.Redis]:
+    """This process's clients of the quorum lock's masters (settings.REDIS_LOCK_URLS), built as
+    the shop's own client is: short timeouts, no retries."""
+    urls = tuple(settings.REDIS_LOCK_URLS)
+    key = (os.getpid(), urls)
+    clients = _lock_clients.get(key)
+    if clients is None:
+        with _clients_lock:
+            clients = _lock_clients.get(key)
+            if clients is None:
+                clients = [
+                    redis.Redis.from_url(
+                        url,
+                        socket_timeout=settings.REDIS_SOCKET_TIMEOUT,
+                        socket_connect_timeout=settings.REDIS_CONNECT_TIMEOUT,
+                        retry=Retry(NoBackoff(), 0),
+                    )
+                    for url in urls
+                ]
+                _lock_clients[key] = clients
+    return clients
+
+
 def cluster_nodes(nodes: tuple[str, ...] | list[str]) -> list[ClusterNode]:
     """ClusterNodes from "host:port" strings; ImproperlyConfigured names a malformed one."""
     parsed = []

@@ -9,5 +9,14 @@ from redis.exceptions import LockError, LockNotOwnedError
 
 from .counter import Claim, KeyClaimed, StockCounter
 from .lock import Lock
+from .quorum import QuorumLock
 
-__all__ = ["Claim", "KeyClaimed", "Lock", "LockError", "LockNotOwnedError", "StockCounter"]
+__all__ = [
+    "Claim",
+    "KeyClaimed",
+    "Lock",
+    "LockError",
+    "LockNotOwnedError",
+    "QuorumLock",
+    "StockCounter",
+]

@@ -144,6 +144,14 @@ REDIS_CONNECT_TIMEOUT = env.float("FLASHSALE_REDIS_CONNECT_TIMEOUT", default=0.5
 # A Redis Cluster instead of one Redis: some or all of its nodes, "host:port,host:port"
 # (redis-py's RedisCluster finds the rest). Set, it replaces REDIS_URL for the shop's data.
 REDIS_CLUSTER_NODES = env.list("REDIS_CLUSTER_NODES", default=[])
+# `lock`'s item locks held on a majority of these independent masters (locking.QuorumLock), their
+# fences from the database; empty: on the shop's Redis. At least 3, so that one may fail.
+REDIS_LOCK_URLS = env.list("REDIS_LOCK_URLS", default=[])
+if len(REDIS_LOCK_URLS) in (1, 2):
+    raise ImproperlyConfigured(
+        f"REDIS_LOCK_URLS lists {len(REDIS_LOCK_URLS)} masters: a quorum lock needs at least 3 "
+        "(with 2, either one failing stops every sale); leave it empty for the shop's Redis"
+    )
 
 # --- Celery ------------------------------------------------------------------------------------
 if REDIS_CLUSTER_NODES and not env.str("CELERY_BROKER_URL", default=""):

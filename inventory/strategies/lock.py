@@ -44,7 +44,7 @@ class LockStrategy(StockStrategy):
             item.stock = read_stock(item.pk).stock
             if item.stock < qty:
                 raise SoldOut(sku=item.sku, requested=qty, remaining=item.stock)
-        lock = new_lock(keys.item_lock(item), strategy=self.name)
+        lock = new_lock(keys.item_lock(item), strategy=self.name, quorum=True)
         if not acquire_lock(lock):
             raise Busy(
                 f"{item.sku}: lock still held after {settings.FLASHSALE_LOCK_WAIT_MS} ms",

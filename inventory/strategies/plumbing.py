@@ -27,15 +27,16 @@ from typing import Any
 from django.conf import settings
 from django.utils.module_loading import import_string
 
-from locking import Lock, LockError, LockNotOwnedError, StockCounter
+from locking import Lock, LockError, LockNotOwnedError, QuorumLock, StockCounter
 from locking import lock as lock_module
 from locking.combining import GroupCommit
 
 from .. import keys, metrics
 from ..breaker import breaker
 from ..exceptions import LockLost
+from ..fences import next_fence
 from ..models import Item, Order
-from ..redis_client import REDIS_DOWN_ERRORS, get_redis_client
+from ..redis_client import REDIS_DOWN_ERRORS, get_lock_clients, get_redis_client
 from ..stock import StockRow, shard_rows, shard_stocks
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ _lock_strategy: weakref.WeakKeyDictionary[Lock, str] = weakref.WeakKeyDictionary
 _held_since: weakref.WeakKeyDictionary[Lock, float] = weakref.WeakKeyDictionary()
 
 
-def new_lock(name: str, *, strategy: str) -> Lock:
+def new_lock(name: str, *, strategy: str, quorum: bool = False) -> Lock:
     """A lock configured from settings: TTL, how long to wait, watchdog renewal; its waits and
     holds are counted as `strategy`'s.
 
@@ -58,7 +59,20 @@ def new_lock(name: str, *, strategy: str) -> Lock:
     takes (client, name, *, timeout, blocking_timeout, watchdog) and returns an object with
     Lock's acquire(token=...), release(), owned(), `local.token`, `name` and `lost`. Ours
     waits through the process's wake hub (`locking.wakes`) when FLASHSALE_LOCK_WAKE_HUB is on.
+    `quorum` (the `lock` strategy's item lock): held on a majority of REDIS_LOCK_URLS' masters
+    instead (`locking.QuorumLock`, its fences from the database), when that lists any.
     """
+    if quorum and settings.REDIS_LOCK_URLS:
+        held: Any = QuorumLock(
+            get_lock_clients(),
+            name,
+            timeout=settings.FLASHSALE_LOCK_TTL_MS / 1000,
+            blocking_timeout=settings.FLASHSALE_LOCK_WAIT_MS / 1000,
+            watchdog=settings.FLASHSALE_LOCK_WATCHDOG,
+            fence_source=next_fence,
+        )
+        _lock_strategy[held] = strategy
+        return held
     factory = _lock_factory(settings.FLASHSALE_LOCK_FACTORY)
     options: dict[str, Any] = {}
     if settings.FLASHSALE_LOCK_WAKE_HUB and isinstance(factory, type) and issubclass(factory, Lock):
