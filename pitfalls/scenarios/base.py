@@ -109,7 +109,8 @@ class Scenario(ABC):
     - it runs one variant: `naive`, the way the articles warn about, or `fixed`, the way the
       shop does it (the shop's own code: `locking.Lock`, its scripts);
     - on `redis_host`, a Redis of the run's own (the lab starts one per variant and throws it
-      away), never the shop's;
+      away), never the shop's; a scenario that needs more servers (a replica, other masters)
+      starts them itself and stops them before it returns;
     - it forces the interleaving that does the damage (pauses, injected delays, a killed
       process), so that the same variant gives the same verdict every time;
     - it returns an Outcome whose `damage` is the scenario's `measure`: for a `damage` scenario,

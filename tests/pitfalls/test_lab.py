@@ -16,6 +16,7 @@ from django.core.management.base import CommandError
 
 from pitfalls import lab
 from pitfalls.scenarios import ARTICLES, SCENARIOS
+from pitfalls.timeline import build
 from shop.processes.servers import PROJECT_DIR as ROOT
 from tests.conftest import server_env
 
@@ -49,6 +50,45 @@ def test_a_run_tells_who_held_the_lock_when():
     fixed = [(event.client, event.what) for event in result.fixed.timeline]
     assert fixed.index(("A", "released")) < fixed.index(("B", "acquired"))
     assert result.naive.details["most_holders"] == 2 and result.fixed.details["most_holders"] == 1
+
+
+def test_a_failover_grants_the_lock_twice_naively_and_neither_of_the_shop_s_fixes_does():
+    result = lab.run("failover-loses-lock")
+
+    # Naively: A took the lock on the primary, the primary died, its promoted replica granted
+    # the lock to B while A still believed it held it
+    naive = [(event.client, event.what) for event in result.naive.timeline]
+    assert naive.index(("A", "acquired")) < naive.index(("primary", "died"))
+    assert naive.index(("replica", "promoted")) < naive.index(("B", "acquired"))
+    assert result.naive.details["most_holders"] == 2
+    assert build(result.naive.as_dict()["timeline"]).overlaps != []
+
+    # The shop's way, first fix: the WAITed acquire refused A, so B held the lock alone
+    fixed = [(event.client, event.what) for event in result.fixed.timeline]
+    quorum_starts = fixed.index(("replica 1", "cut off"))
+    waited, quorum = fixed[:quorum_starts], fixed[quorum_starts:]
+    assert ("A", "acquired") not in waited
+    assert waited.index(("A", "refused")) < waited.index(("primary", "died"))
+    assert waited.index(("replica", "promoted")) < waited.index(("B", "acquired"))
+    # second fix: the quorum lock outlived master 1's failover; B was refused until A released
+    assert quorum == [
+        ("replica 1", "cut off"),
+        ("A", "acquired"),
+        ("master 1", "died"),
+        ("replica 1", "promoted"),
+        ("B", "refused"),
+        ("A", "released"),
+        ("B", "acquired"),
+        ("B", "released"),
+    ]
+    details = result.fixed.details
+    assert details["most_holders_waiting_for_the_replica"] == 1
+    assert details["most_holders_on_the_quorum"] == 1
+    assert details["masters_holding_a_after_the_failover"] == 2
+    assert details["b_granted_once_a_released"] is True
+    assert details["quorum_fences"] == [1, 2]
+    assert result.fixed.damage == 0 and details["most_holders"] == 1
+    assert build(result.fixed.as_dict()["timeline"]).overlaps == []
 
 
 @pytest.mark.embedded_smoke
