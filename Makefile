@@ -18,7 +18,7 @@ STRATEGY ?= lua
 ADMIN_USER ?= admin
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test serve demo bench sale admin lint fmt clean chromium nginx
+.PHONY: help venv test serve demo bench sale admin lint fmt clean chromium nginx compose
 
 help: ## list the targets
 	@echo "flashsale make targets:"
@@ -62,7 +62,7 @@ sale: $(STAMP) ## start a sale beside make serve: make sale SKU=phone STOCK=100 
 admin: $(STAMP) ## create a staff login for the local shop's /admin/ (ADMIN_USER=admin; asks for a password unless DJANGO_SUPERUSER_PASSWORD is set)
 	$(RUN) sh -c '$(PY) manage.py migrate --noinput -v 0 && exec $(PY) manage.py createsuperuser --username "$$0" --email "" $${DJANGO_SUPERUSER_PASSWORD:+--noinput}' "$(ADMIN_USER)"
 
-nginx: ## install Debian's nginx for the test of deploy/nginx.conf (root only)
+nginx: ## install Debian's nginx for the tests of deploy/nginx.conf and nginx-cluster.conf (root only)
 	@if command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ]; then \
 	  echo "nginx: present"; \
 	elif [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
@@ -70,6 +70,17 @@ nginx: ## install Debian's nginx for the test of deploy/nginx.conf (root only)
 	else \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y nginx-light || \
 	  { DEBIAN_FRONTEND=noninteractive apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y nginx-light; }; \
+	fi
+
+compose: ## install Debian's docker-compose for the test that validates the compose files (root only)
+	@if command -v docker-compose >/dev/null 2>&1; then \
+	  echo "docker-compose: $$(docker-compose version --short 2>/dev/null || echo present)"; \
+	elif [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
+	  echo "docker-compose: missing and not installable here (root and apt-get needed): its test is skipped"; \
+	else \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends docker-compose || \
+	  { DEBIAN_FRONTEND=noninteractive apt-get update && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends docker-compose; }; \
 	fi
 
 chromium: ## install Debian's chromium and chromium-driver for the browser tests (root only)
