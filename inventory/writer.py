@@ -1,16 +1,15 @@
 """The sale writer: one process that takes and writes `lua` sales for every web process.
 
 With FLASHSALE_SALE_WRITER naming a unix socket, a `lua` checkout sends its sale to the writer
-(`python manage.py salewriter`) and waits for one answer, instead of calling Redis and then the
-database itself. The writer works in two stages, each on a thread of its own, so that one
-batch's commit overlaps the next one's take:
-
-- the **taker** reads every request that has arrived, takes their units in one Redis pipeline
-  (the same check-and-DECRBY script a direct checkout runs, one per request) and queues the
-  ones that got units;
-- the **committer** writes everything queued in one statement and one commit
-  (`inventory.stock.sell_batch`: each sale keeps its own guards) and answers each buyer once
-  its order row is committed.
+(`python manage.py sale writer`) and waits for one answer, instead of calling Redis and then the
+database itself. The writer's one thread loops: it reads every request that has arrived, takes
+their units in one script (the same check-and-DECRBY a direct checkout runs, per request), writes
+the sales that got units in one statement and one commit (`inventory.stock.sell_batch`: each
+sale keeps its own guards), and answers each buyer once its order row is committed. Whatever
+arrives while it takes and writes is the next batch: the busier the sale, the larger the batch.
+One thread, because a second one only moved the batch between threads: with a taker and a
+committer the writer spent half as much CPU again per sale, in their hand-over and their turns
+at the interpreter lock, and sold no faster (docs/design.md).
 
 A buyer that cannot reach the writer sells the direct way. A buyer whose writer fails after the
 request was sent answers `503 busy`: the sale may have been committed (a retry with the
@@ -26,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import selectors
 import socket
 import stat
@@ -166,10 +164,11 @@ def sale_request(
 # -- the writer's side -------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)
 class _Connection:
     sock: socket.socket
     buffer: bytearray = field(default_factory=bytearray)
+    closed: bool = False
 
 
 @dataclass
@@ -189,10 +188,13 @@ class SaleWriter:
         #: Wall and CPU seconds spent taking (the scripts) and committing (the statements).
         self.take_seconds = self.take_cpu = 0.0
         self.commit_seconds = self.commit_cpu = 0.0
-        #: The PostgreSQL backend of the committer's connection.
+        #: The PostgreSQL backend of the writer's connection.
         self.backend_pid: int | None = None
+        #: How long to wait for the buyers of the last batch (FLASHSALE_SALE_WRITER_LINGER_US).
+        self.linger = settings.FLASHSALE_SALE_WRITER_LINGER_US / 1_000_000
+        #: The buyers the last batch answered, whom the next one waits for.
+        self._answered: set[_Connection] = set()
         self._selector = selectors.DefaultSelector()
-        self._commits: queue.SimpleQueue[_Sale | None] = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._counter = StockCounter(get_redis_client())
 
@@ -200,26 +202,22 @@ class SaleWriter:
 
     def serve_forever(self, ready: Callable[[], None] | None = None) -> None:
         listener = self._listen()
-        committer = threading.Thread(target=self._commit_loop, name="sale-writer-commit")
-        committer.start()
-        logger.debug("sale writer listening on %s", self.path)
-        if ready is not None:
-            ready()
         try:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_backend_pid()")
+                self.backend_pid = cursor.fetchone()[0]
+            logger.debug("sale writer listening on %s", self.path)
+            if ready is not None:
+                ready()
             while not self._stopping.is_set():
-                arrived: list[tuple[_Connection, dict[str, Any]]] = []
-                for key, _ in self._selector.select(timeout=0.5):
-                    if key.fileobj is listener:
-                        self._accept(listener)
-                    else:
-                        arrived += self._read(key.data)
-                if arrived:
-                    self._take_all(arrived)
+                arrived = self._gather(listener)
+                for start in range(0, len(arrived), self.batch):
+                    self._sell(arrived[start : start + self.batch])
+                self._answered = {conn for conn, _ in arrived}
         finally:
-            self._commits.put(None)  # after everything taken: it is written first
-            committer.join()
             self._selector.close()
             listener.close()
+            connection.close()
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
@@ -227,6 +225,35 @@ class SaleWriter:
 
     def stop(self) -> None:
         self._stopping.set()
+
+    def _gather(self, listener: socket.socket) -> list[tuple[_Connection, dict[str, Any]]]:
+        """The next batch: every request that has arrived; and when the last batch answered
+        several buyers, what they send within the linger, until each of them has sent again.
+
+        Buyers answered together come back together, a few hundred microseconds apart (each
+        has its own work to do first). Without the wait the writer takes whoever is back
+        first, and the buyers settle into two half-size batches in turn, each paying a whole
+        commit; with it, one batch holds them all.
+        """
+        arrived: list[tuple[_Connection, dict[str, Any]]] = []
+        timeout = 0.5
+        deadline = None
+        while True:
+            for key, _ in self._selector.select(timeout=timeout):
+                if key.fileobj is listener:
+                    self._accept(listener)
+                else:
+                    arrived += self._read(key.data)
+            if not arrived or len(self._answered) < 2 or not self.linger:
+                return arrived
+            waiting = self._answered.difference(conn for conn, _ in arrived)
+            if not waiting or all(conn.closed for conn in waiting):
+                return arrived
+            now = time.monotonic()
+            deadline = deadline or now + self.linger
+            timeout = deadline - now
+            if timeout <= 0:
+                return arrived
 
     def _listen(self) -> socket.socket:
         if os.path.exists(self.path):
@@ -264,6 +291,7 @@ class SaleWriter:
         except (KeyError, ValueError):
             pass
         conn.sock.close()
+        conn.closed = True
 
     def _read(self, conn: _Connection) -> list[tuple[_Connection, dict[str, Any]]]:
         try:
@@ -314,9 +342,9 @@ class SaleWriter:
         except OSError:
             pass  # the buyer is gone; its sale, if written, is in the database all the same
 
-    # -- the taker: units from Redis, one pipeline for everything that arrived ---------------
+    # -- a batch: its units from Redis in one script, its sales in one statement -------------
 
-    def _take_all(self, arrived: list[tuple[_Connection, dict[str, Any]]]) -> None:
+    def _sell(self, arrived: list[tuple[_Connection, dict[str, Any]]]) -> None:
         takes: list[tuple[_Connection, dict[str, Any], Take]] = []
         for conn, request in arrived:
             try:
@@ -348,6 +376,7 @@ class SaleWriter:
         finally:
             self.take_seconds += time.perf_counter() - started
             self.take_cpu += time.thread_time() - cpu0
+        sales: list[_Sale] = []
         for (conn, request, _), result in zip(takes, results, strict=True):
             if isinstance(result, Claim):
                 self._answer(conn, {"o": "claimed"})
@@ -357,31 +386,9 @@ class SaleWriter:
                 self._answer(conn, {"o": "sold_out"})
             else:
                 rows = {str(index): units for index, units in result.items()}
-                self._commits.put(_Sale(conn, {**request["sale"], "rows": rows}))
-
-    # -- the committer: one statement and one commit for everything queued -------------------
-
-    def _commit_loop(self) -> None:
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_backend_pid()")
-            self.backend_pid = cursor.fetchone()[0]
-        last = False
-        while not last:
-            first = self._commits.get()
-            if first is None:
-                break
-            sales = [first]
-            while len(sales) < self.batch:
-                try:
-                    more = self._commits.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    last = True
-                    break
-                sales.append(more)
+                sales.append(_Sale(conn, {**request["sale"], "rows": rows}))
+        if sales:
             self._commit(sales)
-        connection.close()
 
     def _commit(self, sales: list[_Sale]) -> None:
         # Batches lock rows in one order (lowest first), so that two writers on one database

@@ -230,6 +230,15 @@ FLASHSALE_GROUP_COMMIT_BATCH = env.int("FLASHSALE_GROUP_COMMIT_BATCH", default=1
 # `lua` through the sale writer (`manage.py salewriter`): the unix socket it listens on; empty:
 # every web process takes and writes its own sales.
 FLASHSALE_SALE_WRITER = env.str("FLASHSALE_SALE_WRITER", default="")
+# How long the writer waits, when its last batch answered several buyers, for them to send again
+# before it takes the next batch (microseconds; 0: never waits). A batch of eight costs the
+# database little more than one of four: waiting a moment makes fewer, fuller batches.
+FLASHSALE_SALE_WRITER_LINGER_US = env.int("FLASHSALE_SALE_WRITER_LINGER_US", default=1000)
+if not 0 <= FLASHSALE_SALE_WRITER_LINGER_US <= 100_000:
+    raise ImproperlyConfigured(
+        "FLASHSALE_SALE_WRITER_LINGER_US must be from 0 to 100000 (0.1 s), "
+        f"not {FLASHSALE_SALE_WRITER_LINGER_US}"
+    )
 # How long a checkout may use an item read by an earlier one (strategies that allow it).
 FLASHSALE_ITEM_MEMORY_MS = env.int("FLASHSALE_ITEM_MEMORY_MS", default=1000)
 # How long a buyer waits for its batch's answer before it is told `busy`.

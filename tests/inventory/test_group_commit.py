@@ -8,6 +8,8 @@ import json
 import uuid
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 
 from inventory import keys, stock
 from inventory.exceptions import Busy
@@ -105,6 +107,68 @@ def test_each_sale_of_a_batch_keeps_its_own_guards():
     # and the answers are what the combiner pushes to each taker: JSON, one commit time
     assert json.loads(json.dumps(answers)) == answers
     assert len({answer["at"] for answer in answers}) == 1
+
+
+def test_a_batch_nobody_refuses_is_written_by_one_set_based_statement():
+    # Given a lua sale of 40 units (4 per stripe), at most 3 per buyer
+    start_sale(sku="whole", stock=40, strategy="lua", limit=3)
+    item = Item.objects.get(sku="whole")
+    public_ids = [str(uuid.uuid4()) for _ in range(4)]
+
+    # When a batch holds four good sales: two from one stripe, one of 2 units, one from two
+    # stripes, two of them by the same buyer
+    with CaptureQueriesContext(connection) as captured:
+        answers = stock.sell_batch(
+            [
+                _request(item, public_id=public_ids[0], limit=3, key="w1"),
+                _request(item, public_id=public_ids[1], buyer="bob", limit=3),
+                _request(item, public_id=public_ids[2], qty=2, rows={"1": 2}, limit=3),
+                _request(item, public_id=public_ids[3], qty=2, rows={"2": 1, "3": 1}, buyer="cy"),
+            ]
+        )
+
+    # Then one statement wrote them all, the per-request function never ran
+    assert len(captured) == 1, [query["sql"][:80] for query in captured]
+    assert "jsonb_to_recordset(" in captured[0]["sql"]
+    assert "inventory_sell_batch" not in captured[0]["sql"]
+    # and each request is answered with its own order, in order
+    assert [answer["o"] for answer in answers] == ["sold"] * 4
+    orders = {str(order.public_id): order for order in Order.objects.filter(item=item)}
+    assert [orders[public_id].pk for public_id in public_ids] == [a["id"] for a in answers]
+    assert orders[public_ids[3]].shard_units == {"2": 1, "3": 1}
+    assert orders[public_ids[0]].idempotency_key == "w1"
+    # and the rows, the allowances and the stock agree with what was sold
+    levels = stock.shard_stocks(item.current_sale_id)
+    assert [levels[index] for index in range(4)] == [2, 2, 3, 3]
+    assert Item.objects.get(pk=item.pk).units_left == 34
+    allowances = dict(
+        BuyerAllowance.objects.filter(sale=item.current_sale).values_list("buyer", "units")
+    )
+    assert allowances == {"ann": 3, "bob": 1}
+
+
+def test_a_refused_request_sends_the_batch_a_request_at_a_time_and_nothing_twice():
+    # Given a lua sale of 10 units, one per stripe
+    start_sale(sku="mixed", stock=10, strategy="lua")
+    item = Item.objects.get(sku="mixed")
+
+    # When a batch of three holds one sale its stripe cannot serve
+    with CaptureQueriesContext(connection) as captured:
+        answers = stock.sell_batch(
+            [
+                _request(item, rows={"0": 1}),
+                _request(item, rows={"1": 2}, qty=2),
+                _request(item, buyer="bob", rows={"2": 1}),
+            ]
+        )
+
+    # Then the set-based statement wrote nothing and the per-request function answered each
+    assert [query["sql"].lstrip()[:4] for query in captured] == ["WITH", "SELE"]
+    assert "inventory_sell_batch" in captured[1]["sql"]
+    assert [answer["o"] for answer in answers] == ["sold", "short", "sold"]
+    assert Order.objects.filter(item=item).count() == 2
+    levels = stock.shard_stocks(item.current_sale_id)
+    assert [levels[index] for index in range(3)] == [0, 1, 0]
 
 
 def test_a_taker_no_combiner_answers_withdraws_and_gets_its_units_back(settings):
