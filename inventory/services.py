@@ -11,7 +11,7 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 
 from django.conf import settings
-from django.db import IntegrityError, connection, transaction
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, connection, connections, transaction
 from django.db.models import F
 
 from . import keys, stock
@@ -62,17 +62,19 @@ def place_order(
     earlier order read, so a first checkout with a key costs what one without does.
     """
     # Inside a caller's transaction a savepoint keeps it usable after a refused statement.
-    scope = transaction.atomic() if connection.in_atomic_block else nullcontext()
+    inside = connections[DEFAULT_DB_ALIAS].in_atomic_block
     try:
-        with scope:
+        with transaction.atomic() if inside else nullcontext():
             order = _sell(sku=sku, qty=qty, buyer=buyer, idempotency_key=idempotency_key)
     except (CheckoutError, IntegrityError):
         replay = _replay(idempotency_key, sku=sku, qty=qty, buyer=buyer)
         if replay is None:
             raise
         return CheckoutResult(order=replay, created=False)
-    # Outside any transaction this runs at once: the order row is committed by now.
-    transaction.on_commit(lambda: order_placed(order.pk))
+    if inside:
+        transaction.on_commit(lambda: order_placed(order.pk))
+    else:
+        order_placed(order.pk)  # the order row is committed by now
     return CheckoutResult(order=order, created=True)
 
 
