@@ -195,8 +195,9 @@ class Order(models.Model):
         max_length=16, choices=OrderStatus.choices, default=OrderStatus.PENDING
     )
     # Unique through a constraint (Meta), which, unlike unique=True, does not also get a
-    # `varchar_pattern_ops` index for LIKE queries that nothing runs.
-    idempotency_key = models.CharField(max_length=128, null=True, blank=True)
+    # `varchar_pattern_ops` index for LIKE queries that nothing runs. NULL, not "", for no key:
+    # the constraint admits any number of NULLs.
+    idempotency_key = models.CharField(max_length=128, null=True, blank=True)  # noqa: DJ001
     served_by = models.CharField(
         max_length=16,
         help_text="The strategy that took the units (optimistic when the fallback served).",
@@ -219,7 +220,9 @@ class Order(models.Model):
         ]
         constraints = [
             models.CheckConstraint(condition=Q(qty__gte=1), name="order_qty_positive"),
-            models.UniqueConstraint(fields=["idempotency_key"], name="order_unique_idempotency_key"),
+            models.UniqueConstraint(
+                fields=["idempotency_key"], name="order_unique_idempotency_key"
+            ),
         ]
 
     def __str__(self) -> str:

@@ -149,6 +149,15 @@ def sell(order: SaleRecorder, allocation: Allocation) -> Sold | None:
     item row that refused the token raises Fenced (a stock row's refusal returns None, as a
     short row's does).
 
+    Gates: a `gated` allocation first takes, for each row it writes, that row's writer gate (a
+    PostgreSQL advisory lock, `pg_try_advisory_xact_lock`, held to the commit) without waiting,
+    and writes nothing when another gated writer holds one (None, or HalfDone part way, as for
+    a lost race). The writers that decide by no lock (`optimistic`, and the fallback through
+    it) thus keep at most one connection on a row, however many processes sell: the others
+    back off in their own process instead of queueing on the row, where every commit would
+    wake them all to find its version changed. A gate lives in the database, so it holds with
+    Redis down and across hosts; `wait_for_gates` waits for gates in turn instead.
+
     Raises IntegrityError when the allowance would pass the limit (constraint
     `allowance_within_limit`) or the idempotency key is taken, and RowLockTimeout when a row
     it must write stayed locked by another transaction for FLASHSALE_ROW_LOCK_TIMEOUT_MS (then
@@ -159,7 +168,7 @@ def sell(order: SaleRecorder, allocation: Allocation) -> Sold | None:
     shard_units, set_stock = allocation.shard_units, allocation.set_stock
     expected_version, limit = allocation.expected_version, order.limit
     served_by, fallback = allocation.strategy, order.fallback or allocation.fallback
-    fence, shard_fences = allocation.fence, allocation.shard_fences
+    fence, shard_fences, gated = allocation.fence, allocation.shard_fences, allocation.gated
     shards = sorted((shard_units or {}).items())
     if shards and (expected_version is not None or set_stock is not None or fence is not None):
         raise ValueError(
@@ -197,12 +206,17 @@ def sell(order: SaleRecorder, allocation: Allocation) -> Sold | None:
         params[f"su{n}"] = taken
         if shard_fences is not None:
             params[f"sf{n}"] = shard_fences[index]
+        if gated:
+            params[f"sg{n}"] = _gate(item.current_sale_id or 0, index)[1]
+    if gated and not shards:
+        params["gate"] = _gate(item.pk)[1]
     sql = _sale_sql(
         len(shards),
         absolute=set_stock is not None,
         versioned=expected_version is not None,
         limited=limit is not None,
         fenced=fence is not None or shard_fences is not None,
+        gated=gated,
     )
     try:
         with prepared_cursor() as cursor:
@@ -494,15 +508,71 @@ class _PreparedDebugWrapper(CursorDebugWrapper):
             return CursorWrapper.execute(self, sql, params)
 
 
+#: Advisory-lock namespaces of the writer gates (the first key of PostgreSQL's two-key form;
+#: the second names the row). Distinct values, should another program share the database.
+GATE_ITEM_ROW = 0x46530001
+GATE_STOCK_ROW = 0x46530002
+
+
+def _gate(row: int, index: int | None = None) -> tuple[int, int]:
+    """The advisory lock of a row's writer gate: the item row `row`, or stock row `index` of
+    sale `row`. Two rows may share a gate (the key is 31 bits): that only makes one wait."""
+    if index is None:
+        return GATE_ITEM_ROW, row & 0x7FFFFFFF
+    return GATE_STOCK_ROW, ((row << 10) ^ index) & 0x7FFFFFFF
+
+
+def wait_for_gates(item: Item) -> None:
+    """Take the writer gates of every row `item`'s current sale sells from (its stock rows in
+    index order, else the item row), waiting for each at most FLASHSALE_ROW_LOCK_TIMEOUT_MS
+    (then RowLockTimeout). Call inside a transaction: they are held until it ends, and its
+    gated sale statements find them held already."""
+    if item.shard_count:
+        sale = item.current_sale_id or 0
+        gates = [_gate(sale, index) for index in range(item.shard_count)]
+    else:
+        gates = [_gate(item.pk)]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SET LOCAL lock_timeout = '{int(settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS)}ms'"
+        )
+        try:
+            for namespace, key in gates:
+                cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", [namespace, key])
+        except OperationalError as exc:
+            raise RowLockTimeout(str(exc)) from exc
+
+
 @cache
 def _sale_sql(
-    shard_count: int, *, absolute: bool, versioned: bool, limited: bool, fenced: bool
+    shard_count: int,
+    *,
+    absolute: bool,
+    versioned: bool,
+    limited: bool,
+    fenced: bool,
+    gated: bool = False,
 ) -> str:
     """The text of the sale statement for one shape of sale (built once per shape)."""
     # Bounds every row-lock wait of this statement (and of the transaction it is part of): the
     # setting is made by a one-time filter of each UPDATE, before it scans, so before any wait.
     ctes = ["bound AS MATERIALIZED (SELECT set_config('lock_timeout', %(lock_timeout)s, true))"]
     bounded = " AND EXISTS (SELECT 1 FROM bound)"
+    if gated:
+        # Each row's gate is tried (never waited for) by a one-time filter of its UPDATE,
+        # before the row is scanned, so before any wait on the row.
+        if shard_count:
+            ctes += [
+                f"g{n} AS MATERIALIZED (SELECT pg_try_advisory_xact_lock("
+                f"{GATE_STOCK_ROW}, %(sg{n})s) AS held)"
+                for n in range(shard_count)
+            ]
+        else:
+            ctes.append(
+                f"gate AS MATERIALIZED (SELECT pg_try_advisory_xact_lock({GATE_ITEM_ROW}, "
+                "%(gate)s) AS held)"
+            )
+            bounded += " AND (SELECT held FROM gate)"
     # Stock rows: the item row is read (is the sale still current?), never written; a plain
     # read takes no row lock.
     current = (
@@ -512,6 +582,7 @@ def _sale_sql(
         f"s{n} AS (UPDATE {_SHARD} SET stock = stock - %(su{n})s, version = version + 1"
         + (f", fence = %(sf{n})s" if fenced else "")
         + f" WHERE sale_id = %(sale)s AND index = %(si{n})s AND stock >= %(su{n})s{bounded}"
+        + (f" AND (SELECT held FROM g{n})" if gated else "")
         + (f" AND fence <= %(sf{n})s" if fenced else "")
         + f"{current} RETURNING index, stock, version)"
         for n in range(shard_count)

@@ -31,6 +31,10 @@ class Allocation:
     fence: int | None = None
     #: The same per stock row in `shard_units` (each row's own lock's fence), or None.
     shard_fences: dict[int, int] | None = None
+    #: Take each row's writer gate first (`inventory.stock.sell`) and refuse, as a lost race,
+    #: when another gated writer holds one: so the writers that decide by no lock (`optimistic`,
+    #: and through it the fallback) never queue on a row, however many processes sell.
+    gated: bool = False
 
     def as_fallback(self) -> Allocation:
         return replace(self, fallback=True)

@@ -17,6 +17,7 @@ from ..stock import (
     read_stock,
     shard_stocks,
     simulate_work,
+    wait_for_gates,
 )
 from .base import Allocation, RecordOrder, StockStrategy
 
@@ -24,9 +25,14 @@ from .base import Allocation, RecordOrder, StockStrategy
 class OptimisticStrategy(StockStrategy):
     """Version-checked write with bounded, jittered retries; also the fallback for Redis.
 
-    After FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS lost races, one last attempt waits for the row
-    locks (at most FLASHSALE_ROW_LOCK_TIMEOUT_MS, else `503 busy`): under heavy contention a
-    loser would otherwise keep losing to writers that commit while it waits.
+    Its writes are gated (`Allocation.gated`): a write whose row another optimistic writer is
+    writing loses at once and retries after its back-off, instead of queueing on the row (to
+    find, once let in, that the version it read has changed). However many processes fall
+    back, at most one connection of theirs is on a row at a time.
+
+    After FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS lost races, one last attempt waits for the rows'
+    gates, then their row locks (at most FLASHSALE_ROW_LOCK_TIMEOUT_MS each, else `503 busy`):
+    under heavy contention a loser would otherwise keep losing to writers that commit first.
 
     Works for any item: when the item keeps stock rows (it sells through `segmented` or `lua`),
     the same statement takes the units from those rows instead of the item row, each guarded by
@@ -54,10 +60,12 @@ class OptimisticStrategy(StockStrategy):
         return self._take_queued(item, qty, record)
 
     def _take_queued(self, item: Item, qty: int, record: RecordOrder) -> Order:
-        """Every attempt lost a race (a writer holding the row lock commits a new version while
-        we wait for it): queue for the row locks instead, so a loser cannot starve."""
+        """Every attempt lost a race: queue for the rows' writer gates instead (each waiter on
+        a gate, none on a row, so a loser cannot starve and the rows' queues stay short), then
+        for the row locks, which only writers under a lock still hold."""
         try:
             with transaction.atomic():
+                wait_for_gates(item)
                 allocation = self._plan(item, qty, locked=True)
                 simulate_work()
                 sold: Sold | None = record(allocation)
@@ -80,10 +88,12 @@ class OptimisticStrategy(StockStrategy):
             levels = shard_stocks(item.current_sale_id, for_update=locked)
             left = sum(levels.values())
             if left >= qty:
-                return Allocation(strategy=self.name, shard_units=plan_rows(levels, qty))
+                return Allocation(
+                    strategy=self.name, shard_units=plan_rows(levels, qty), gated=True
+                )
         else:
             seen = lock_stock_row(item.pk) if locked else read_stock(item.pk)
             left = seen.stock
             if left >= qty:
-                return Allocation(strategy=self.name, expected_version=seen.version)
+                return Allocation(strategy=self.name, expected_version=seen.version, gated=True)
         raise SoldOut(sku=item.sku, requested=qty, remaining=left)
