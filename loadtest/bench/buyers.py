@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from .contenders import EVALSHA, EVALSHA_SELL, HOT_ROW, BuyerReport, Contender
+from .contenders import EVALSHA, EVALSHA_SELL, HOT_ROW, BuyerReport, Contender, warm_sku
 from .measure import Probe, process_cpu_seconds
 
 # -- buyer processes ------------------------------------------------------------------------
@@ -106,15 +106,28 @@ def _buy_by_evalsha(key: str) -> Callable[[], bool]:
     return buy
 
 
+def _buyer(contender: Contender, sku: str, worker: int) -> Callable[[], bool]:
+    """One buy of the contender's way, from the sale of `sku`."""
+    if contender.name == EVALSHA:
+        return _buy_by_evalsha(sku)
+    if contender.name == HOT_ROW:
+        return _buy_from_hot_row(sku, contender.sku, worker)
+    if contender.name == EVALSHA_SELL:
+        return _buy_by_evalsha_and_sell(sku, contender.sku, worker)
+    return _buy_through_place_order(sku, contender.sku, worker)
+
+
 def buyer_process(
     contender: Contender,
     worker: int,
     duration: float,
     profile: bool,
+    warmup: int,
     barrier: Any,
     reports: Any,
 ) -> None:
-    """Body of one buyer process: connect, wait for the others, buy until sold out or capped."""
+    """Body of one buyer process: connect, buy `warmup` units of the warm-up sale the same
+    way, wait for the others, buy until sold out or capped."""
     from inventory.exceptions import Busy
 
     report = BuyerReport()
@@ -133,18 +146,20 @@ def buyer_process(
         if contender.peer is not None:
             # The seam the strategies build their locks through: nothing else differs.
             settings.FLASHSALE_LOCK_FACTORY = contender.peer.factory
-        if contender.name == EVALSHA:
-            buy = _buy_by_evalsha(contender.sku)
-        else:
+        if contender.name != EVALSHA:
             backend_pid = _backend_pid()
-            if contender.name == HOT_ROW:
-                buy = _buy_from_hot_row(contender.sku, contender.sku, worker)
-            elif contender.name == EVALSHA_SELL:
-                buy = _buy_by_evalsha_and_sell(contender.sku, contender.sku, worker)
-            else:
-                buy = _buy_through_place_order(contender.sku, contender.sku, worker)
-            if probe is not None:
-                probe.install()
+        if warmup:
+            # Connections, prepared statements, caches, the writer's backend: warm before the
+            # barrier, so that a round measures selling rather than starting up.
+            warm_buy = _buyer(contender, warm_sku(contender), worker)
+            for _ in range(warmup):
+                try:
+                    warm_buy()
+                except Busy:
+                    pass
+        buy = _buyer(contender, contender.sku, worker)
+        if probe is not None and contender.name != EVALSHA:
+            probe.install()
     except BaseException:
         barrier.abort()
         report.error = traceback.format_exc(limit=4)

@@ -86,6 +86,12 @@ class Contender:
     settings: dict[str, Any] = field(default_factory=dict)
 
 
+def warm_sku(contender: Contender) -> str:
+    """The sale a contender's buyers warm up on (connections, prepared statements, caches, the
+    sale writer's backend) before the measured one starts."""
+    return f"{contender.sku}-warm"
+
+
 @dataclass
 class BuyerReport:
     """What one buyer process saw."""

@@ -10,7 +10,15 @@ import time
 from typing import Any
 
 from .buyers import buyer_process
-from .contenders import EVALSHA, EVALSHA_SELL, HOT_ROW, BuyerReport, Contender, Result
+from .contenders import (
+    EVALSHA,
+    EVALSHA_SELL,
+    HOT_ROW,
+    BuyerReport,
+    Contender,
+    Result,
+    warm_sku,
+)
 from .measure import (
     host_cpu_times,
     lock_wait_allowed_seconds,
@@ -22,19 +30,24 @@ from .measure import (
 # -- one contender ---------------------------------------------------------------------------
 
 
-def _prepare(contender: Contender, stock: int, ceiling_stock: int) -> None:
+def _prepare(contender: Contender, stock: int, ceiling_stock: int, warmup: int) -> None:
+    """Start the contender's sale of `stock` units, and its warm-up sale (`warm_sku`) of
+    `warmup` units, sold before the measured one starts."""
     from inventory.redis_client import get_redis_client
     from inventory.services import start_sale
 
-    if contender.name == EVALSHA:
-        get_redis_client().set(contender.sku, ceiling_stock)
-    elif contender.name == HOT_ROW:
-        start_sale(sku=contender.sku, stock=stock, strategy="optimistic", name="Bench hot row")
-    elif contender.name == EVALSHA_SELL:
-        start_sale(sku=contender.sku, stock=stock, strategy="lua", name="Bench take + row sale")
-    else:
-        strategy = contender.strategy if contender.kind == "strategy" else "lock"
-        start_sale(sku=contender.sku, stock=stock, strategy=strategy, name=f"Bench {strategy}")
+    for sku, units in ((contender.sku, stock), (warm_sku(contender), warmup)):
+        if contender.name == EVALSHA:
+            get_redis_client().set(sku, ceiling_stock if sku == contender.sku else warmup)
+        elif not units:
+            continue
+        elif contender.name == HOT_ROW:
+            start_sale(sku=sku, stock=units, strategy="optimistic", name="Bench hot row")
+        elif contender.name == EVALSHA_SELL:
+            start_sale(sku=sku, stock=units, strategy="lua", name="Bench take + row sale")
+        else:
+            strategy = contender.strategy if contender.kind == "strategy" else "lock"
+            start_sale(sku=sku, stock=units, strategy=strategy, name=f"Bench {strategy}")
 
 
 def _audit(contender: Contender, stock: int, sold: int) -> dict[str, Any]:
@@ -80,6 +93,10 @@ class _Writer:
         if not ready.wait(30):
             self.process.kill()
             raise RuntimeError("the sale writer did not start")
+        self.mark()
+
+    def mark(self) -> None:
+        """Count its CPU, its backend's and its stats from now on (the warm-up's are not)."""
         self.stats = self._stats()
         self.cpu = process_cpu_seconds(self.process.pid) or 0.0
         self.backend_cpu = process_cpu_seconds(self.stats["backend_pid"]) or 0.0
@@ -95,16 +112,31 @@ class _Writer:
         raise RuntimeError("the sale writer has no database connection")
 
     def finish(self) -> tuple[float, float, dict[str, Any]]:
-        """(its CPU seconds, its backend's, its stats) since it started; then stop it."""
+        """(its CPU seconds, its backend's, its stats) since the last mark; then stop it."""
         stats = self._stats()
         cpu = (process_cpu_seconds(self.process.pid) or 0.0) - self.cpu
         backend = (process_cpu_seconds(stats["backend_pid"]) or 0.0) - self.backend_cpu
+        stats = {
+            name: value - self.stats[name] if name in _COUNTED else value
+            for name, value in stats.items()
+        }
         self.process.terminate()
         self.process.join(10)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
         return cpu, backend, stats
+
+
+#: The writer's stats that count up (the rest name its process).
+_COUNTED = (
+    "sales",
+    "batches",
+    "take_seconds",
+    "take_cpu_seconds",
+    "commit_seconds",
+    "commit_cpu_seconds",
+)
 
 
 def _writer_summary(stats: dict[str, Any], cpu: float) -> str:
@@ -127,20 +159,20 @@ def run_contender(contender: Contender, args: argparse.Namespace, round_: int) -
     from django.db import connections
 
     stock = args.ceiling_stock if contender.name == EVALSHA else args.stock
-    _prepare(contender, args.stock, args.ceiling_stock)
+    buyer_count = contender.buyers or args.buyers
+    _prepare(contender, args.stock, args.ceiling_stock, args.warmup * buyer_count)
     # Children open their own connections: a connection shared across fork is corrupted.
     connections.close_all()
 
     context = multiprocessing.get_context("fork")
     writer_path = contender.settings.get("FLASHSALE_SALE_WRITER")
     writer = _Writer(context, writer_path) if writer_path else None
-    buyer_count = contender.buyers or args.buyers
     barrier = context.Barrier(buyer_count + 1)
     reports = context.Queue()
     processes = [
         context.Process(
             target=buyer_process,
-            args=(contender, worker, args.duration, args.profile, barrier, reports),
+            args=(contender, worker, args.duration, args.profile, args.warmup, barrier, reports),
             name=f"buyer-{contender.sku}-{worker}",
         )
         for worker in range(buyer_count)
@@ -156,6 +188,8 @@ def run_contender(contender: Contender, args: argparse.Namespace, round_: int) -
         started_at = time.monotonic()
         host_before = host_cpu_times()
         redis_before = redis_cpu_seconds()
+        if writer is not None:
+            writer.mark()
     except threading.BrokenBarrierError:
         pass  # a buyer failed to start: its report says why
     wait_limit = args.duration + 2 * lock_wait_allowed_seconds() + 60

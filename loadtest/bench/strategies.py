@@ -1,13 +1,15 @@
 """Benchmark without HTTP: every strategy driven directly by buyer processes on one hot item.
 
-    python -m loadtest.bench_strategies [--buyers 8] [--stock 2000] [--duration 10]
+    python -m loadtest.bench_strategies [--buyers 8] [--stock 5000] [--duration 10] [--warmup 25]
         [--strategies lock,segmented,lua,optimistic,unsafe] [--hold-ms 0] [--work-ms 5]
         [--rounds 1] [--peers redis-py,redis-py-5ms,python-redis-lock,python-redis-lock-renewal]
         [--ceiling-stock 50000] [--profile] [--json PATH]
 
 Needs DATABASE_URL and REDIS_URL (or run it through `python -m shop.devservices --`).
 
-For each contender a sale of --stock units starts, --buyers processes fork, wait at a barrier,
+For each contender a sale of --stock units starts, --buyers processes fork, buy --warmup units
+each the same way from a sale of their own (so that connections, prepared statements and caches,
+the sale writer's included, are warm: a round measures selling, not starting up), wait at a barrier,
 and buy one unit at a time through `inventory.services.place_order` until it answers sold out
 (`Busy` is counted and retried). buys/s is units sold over the time from the barrier to the last
 sale. Contenders, all in one run so that every figure has its baseline measured beside it:
@@ -85,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--buyers", type=_positive, default=8, help="buyer processes (8)")
-    parser.add_argument("--stock", type=_positive, default=2000, help="units per sale (2000)")
+    parser.add_argument("--stock", type=_positive, default=5000, help="units per sale (5000)")
     parser.add_argument(
         "--duration", type=_positive_float, default=10.0, help="cap per contender, seconds (10)"
     )
@@ -141,6 +143,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also time, in the buyer processes, the phases that serialize checkouts (lock "
         "wait and hold, the item row's UPDATE and hold, commit, publish) and print them",
     )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=25,
+        help="units each buyer buys, the contender's way, from a sale of their own before the "
+        "measured one starts (connections, prepared statements, caches; 25; 0: none)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     args = parser.parse_args(argv)
     args.strategies = [name for value in args.strategies for name in _names(value)]
@@ -152,6 +161,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--hold-ms must be 0 or more")
     if args.work_ms < 0:
         parser.error("--work-ms must be 0 or more")
+    if args.warmup < 0:
+        parser.error("--warmup must be 0 or more")
     return args
 
 
@@ -313,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                         "hold_ms": args.hold_ms,
                         "work_ms": args.work_ms,
                         "rounds": args.rounds,
+                        "warmup": args.warmup,
                         "ceiling_stock": args.ceiling_stock,
                         "profile": args.profile,
                         "lock_ttl_ms": settings.FLASHSALE_LOCK_TTL_MS,
