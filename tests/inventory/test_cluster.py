@@ -12,6 +12,7 @@ import threading
 import uuid
 
 import pytest
+import requests
 from django.utils import timezone
 
 from inventory import keys
@@ -122,6 +123,44 @@ def test_segmented_spreads_an_items_shards_over_the_masters(cluster, cluster_sho
     assert sum(levels) == 60
     # while the item row was not written per sale
     assert Item.objects.get(sku=sku).stock == 100
+
+
+@pytest.mark.parametrize("strategy", ["segmented", "lua"])
+def test_the_pages_health_check_and_reconciler_work_on_a_cluster(cluster, cluster_shop, strategy):
+    # Given a sale on the cluster, partly sold
+    sku = f"cl-pages-{strategy}-{uuid.uuid4().hex[:6]}"
+    start_sale(sku=sku, stock=STOCK, strategy=strategy)
+    result = flood(cluster_shop.url, sku, attempts=10, concurrency=5)
+    assert result.accepted == 10, dict(result.statuses)
+
+    # Then the health check sees the cluster, and the API and the item page show the stock
+    # the database holds
+    health = requests.get(f"{cluster_shop.url}/healthz", timeout=10).json()
+    assert health["redis"] == "ok" and not health["fallback_active"], health
+    item = requests.get(f"{cluster_shop.url}/api/items/{sku}", timeout=10).json()
+    assert item["stock"] == STOCK - 10, item
+    page = requests.get(f"{cluster_shop.url}/items/{sku}/", timeout=10)
+    assert page.status_code == 200 and sku in page.text
+
+    # When one of its counters on the cluster goes wrong (too high: Redis would grant units
+    # the database does not hold)
+    client = get_redis_client()
+    counter = keys.rows(Item.objects.get(sku=sku))[3]
+    client.incrby(counter, 7)
+    assert not audit_sale(sku)["consistent"]
+
+    # Then `sale reconcile` finds it, on whichever master its slot lives, and repairs it
+    repaired = subprocess.run(
+        [sys.executable, "manage.py", "sale", "reconcile", sku],
+        env=server_env(REDIS_CLUSTER_NODES=cluster.nodes_setting),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert repaired.returncode == 0, repaired.stderr
+    assert repaired.stdout.strip(), repaired.stdout
+    audit = audit_sale(sku)
+    assert audit["consistent"] and audit["redis_stock"] == STOCK - 10, audit
 
 
 def test_lua_through_the_sale_writer_takes_each_sales_units_in_its_own_slot(cluster):
