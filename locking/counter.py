@@ -318,7 +318,6 @@ class StockCounter:
         *,
         create: bool = True,
         force: bool = False,
-        client: Any = None,
     ) -> int:
         """Set each counter to its value unless it holds a value of a later version already
         (one script; each counter's version is kept in ``<key>:version``).
@@ -327,9 +326,7 @@ class StockCounter:
         of the record it was read from, which grows with every change of that record. Writers
         racing to copy the same records, each what it read, leave every counter at its
         latest. ``create=False`` leaves missing counters missing; ``force`` sets them whatever
-        version they hold (a repair). Returns how many counters were set; with ``client`` a
-        pipeline of this counter's client (not a cluster's), the script is queued on it
-        instead and 0 is returned.
+        version they hold (a repair). Returns how many counters were set.
         """
         if not levels:
             return 0
@@ -346,12 +343,13 @@ class StockCounter:
                 raise ValueError(f"version must be an int, got {version!r}")
             args += [_stock_value(value), version]
         names = list(levels)
-        done = self._set_newer(
-            keys=[*names, *(version_key(name) for name in names)],
-            args=args,
-            client=client or self.redis,
+        return int(
+            self._set_newer(
+                keys=[*names, *(version_key(name) for name in names)],
+                args=args,
+                client=self.redis,
+            )
         )
-        return 0 if client is not None else int(done)
 
     def get(self, key: str) -> int | None:
         """Current value of ``key``, None if it does not exist."""

@@ -569,14 +569,8 @@ class Lock:
 
     # -- release / TTL ---------------------------------------------------------------
 
-    def release(self, *, also: Callable[[Any], object] | None = None) -> None:
+    def release(self) -> None:
         """Release the lock: hand it to the first queued waiter, or delete it.
-
-        ``also``, when given, is called with a non-transactional pipeline of the lock's client
-        before the release is queued on it: what it queues goes to Redis in the release's
-        round trip, ahead of it (with no atomicity between them; on a cluster client, where
-        scripts cannot share a pipeline, it runs first, on its own). Its commands' errors are
-        raised like the release's.
 
         Raises LockError if this lock was not acquired, LockNotOwnedError if it has
         been taken over or has expired meanwhile (then the lock is left alone; only a
@@ -598,17 +592,11 @@ class Lock:
                     return  # taken more than once: still held
                 del _reentries.held[self._reentry_key]
         self._stop_watchdog()
-        keys, args = [self.name, self.queue_name, self.waiters_name], [expected, WAKE_TTL_MS]
-        if also is None:
-            released = self._release_script(keys=keys, args=args, client=self.redis)
-        elif is_cluster(self.redis):
-            also(self.redis)
-            released = self._release_script(keys=keys, args=args, client=self.redis)
-        else:
-            pipe = self.redis.pipeline(transaction=False)
-            also(pipe)
-            self._release_script(keys=keys, args=args, client=pipe)
-            released = pipe.execute()[-1]
+        released = self._release_script(
+            keys=[self.name, self.queue_name, self.waiters_name],
+            args=[expected, WAKE_TTL_MS],
+            client=self.redis,
+        )
         if not released:
             raise LockNotOwnedError(
                 "Cannot release a lock that's no longer owned", lock_name=self.name

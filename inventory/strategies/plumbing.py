@@ -168,22 +168,15 @@ def remember_unsettled(locks: Iterable[tuple[str, bytes]]) -> None:
         _unsettled.update(locks)
 
 
-def release_quietly(lock: Lock, *, also: Callable[[Any], object] | None = None) -> None:
-    """Release after the work is done; by then a failure must not undo a committed order.
-    `also` queues commands to go in the release's round trip (`Lock.release`)."""
+def release_quietly(lock: Lock) -> None:
+    """Release after the work is done; by then a failure must not undo a committed order."""
     token = lock.local.token  # release() forgets it before it talks to Redis
     held_since = _held_since.pop(lock, None)
     if held_since is not None:
         hold = time.perf_counter() - held_since
         metrics.LOCK_HOLD.labels(_lock_strategy.get(lock, "none")).observe(hold)
     try:
-        if also is None:
-            lock.release()
-        elif isinstance(lock, Lock):
-            lock.release(also=also)
-        else:  # a lock of another make (FLASHSALE_LOCK_FACTORY): one after the other
-            also(counter().redis)
-            lock.release()
+        lock.release()
     except LockNotOwnedError:
         logger.info("lock %s had expired before release", lock.name)
     except REDIS_DOWN_ERRORS as exc:
@@ -247,21 +240,15 @@ def sync_rows(item: Item) -> list[int]:
 
 
 def write_hints(
-    item: Item,
-    rows: dict[int, StockRow],
-    *,
-    create: bool = True,
-    force: bool = False,
-    client: Any = None,
+    item: Item, rows: dict[int, StockRow], *, create: bool = True, force: bool = False
 ) -> list[int]:
     """Copy the rows' levels read from the database to their counters, unless a counter holds
-    a later version of its row already (see `StockCounter.set_newer`; `client`: a pipeline to
-    queue the copy on); return every row's level as given (0 where not given)."""
+    a later version of its row already (see `StockCounter.set_newer`); return every row's
+    level as given (0 where not given)."""
     counter().set_newer(
         {keys.row(item, index): (row.stock, row.version) for index, row in rows.items()},
         create=create,
         force=force,
-        client=client,
     )
     return [rows[index].stock if index in rows else 0 for index in range(item.shard_count)]
 

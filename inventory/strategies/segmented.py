@@ -28,7 +28,6 @@ import logging
 import random
 import time
 import uuid
-from functools import partial
 
 from django.conf import settings
 
@@ -188,22 +187,11 @@ class SegmentedStrategy(StockStrategy):
         plan: dict[int, int],
         locks: dict[int, Lock],
     ) -> Order | None:
-        sold: dict[int, StockRow] = {}
         try:
-            return self._serve(item, qty, record, plan, locks, sold)
+            return self._serve(item, qty, record, plan, locks)
         finally:
-            # The sold rows' hints go to Redis in the release's round trip, just ahead of it
-            # (as they were written under the lock, one round trip earlier, before).
-            also = None
-            if sold:
-                also = partial(self._queue_hints, item, sold)
             for lock in locks.values():
-                release_quietly(lock, also=also)
-                also = None
-
-    @staticmethod
-    def _queue_hints(item: Item, rows: dict[int, StockRow], client: object) -> None:
-        plumbing.write_hints(item, rows, client=client)
+                release_quietly(lock)
 
     def _serve(
         self,
@@ -212,12 +200,9 @@ class SegmentedStrategy(StockStrategy):
         record: RecordOrder,
         plan: dict[int, int],
         locks: dict[int, Lock],
-        sold_rows: dict[int, StockRow] | None = None,
     ) -> Order | None:
         """Take the planned units in one statement, fenced by each shard's lock (`locks`, by
-        shard index); None if a shard was short, or refused a fence (hints fixed). The rows
-        the sale wrote go into `sold_rows` for the caller to copy to their hints, when given;
-        else they are copied here."""
+        shard index); None if a shard was short, or refused a fence (hints fixed)."""
         simulate_work()
         for lock in locks.values():
             ensure_still_held(lock, item.sku)
@@ -242,14 +227,13 @@ class SegmentedStrategy(StockStrategy):
                 raise SoldOut(sku=item.sku, requested=qty, remaining=remaining)
             self._write_hints_quietly(item, rows)
             return None
-        rows = {
-            index: StockRow(stock=left, version=sold.shard_versions[index])
-            for index, left in sold.shard_levels.items()
-        }
-        if sold_rows is None:
-            self._write_hints_quietly(item, rows)
-        else:
-            sold_rows.update(rows)
+        self._write_hints_quietly(
+            item,
+            {
+                index: StockRow(stock=left, version=sold.shard_versions[index])
+                for index, left in sold.shard_levels.items()
+            },
+        )
         return sold.order
 
     def _write_hints_quietly(self, item: Item, rows: dict[int, StockRow]) -> None:

@@ -272,39 +272,6 @@ def test_only_the_owner_token_releases(r: redis.Redis, prefix: str) -> None:
     assert r.exists(name) == 0
 
 
-def test_release_sends_what_also_queues_in_its_own_round_trip(r: redis.Redis, prefix: str) -> None:
-    # Given a held lock, and a waiter queued behind it
-    lock = Lock(r, f"{prefix}held", timeout=5)
-    waiter = Lock(r, f"{prefix}held", timeout=5, thread_local=False)
-    assert lock.acquire(blocking=False)
-    thread, outcome = run_in_thread(lambda: waiter.acquire(blocking_timeout=5))
-    time.sleep(0.2)
-
-    # When it is released with a command to send along
-    seen = []
-
-    def also(pipe) -> None:
-        seen.append(type(pipe))
-        pipe.set(f"{prefix}hint", 7)
-
-    lock.release(also=also)
-    thread.join(5)
-
-    # Then the command went on a pipeline (one round trip with the release) and ran, and the
-    # release handed the lock on as usual
-    assert seen == [redis.client.Pipeline]
-    assert r.get(f"{prefix}hint") == b"7"
-    assert outcome.get("result") is True and waiter.owned()
-    waiter.release()
-
-    # and a release that finds the lock gone still raises, its companions sent all the same
-    assert lock.acquire(blocking=False)
-    r.delete(f"{prefix}held")
-    with pytest.raises(LockNotOwnedError):
-        lock.release(also=lambda pipe: pipe.set(f"{prefix}hint", 8))
-    assert r.get(f"{prefix}hint") == b"8"
-
-
 def test_release_after_expiry_leaves_the_next_owner_alone(r: redis.Redis, prefix: str) -> None:
     name = prefix + "expiry"
     first = Lock(r, name, timeout=0.1)
