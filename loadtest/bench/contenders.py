@@ -135,6 +135,10 @@ class Result:
     #: Time one sale took, from the buyer's call to its return: median and 99th percentile.
     p50_ms: float | None = None
     p99_ms: float | None = None
+    #: The fewest units any one buyer sold, over an even share (sold / buyers): 1.0 when every
+    #: buyer got its turn alike, 0 when one never did. A p99 over the sales made hides the
+    #: buyer that made none.
+    fewest_share: float | None = None
     audit: dict[str, Any] = field(default_factory=dict)
     #: With --profile: milliseconds per unit sold spent in each phase, all buyers together.
     phases_ms_per_buy: dict[str, float] = field(default_factory=dict)

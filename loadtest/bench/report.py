@@ -58,7 +58,7 @@ def print_table(rows: list[Result], rounds: int) -> None:
     header = (
         f"{'contender':<27} {'buys/s':>7} {'sold':>6} {'busy':>5} {'oversold':>8} "
         f"{'remaining':>9} {'consistent':>10} {'cpu py':>7} {'cpu pg':>7} {'cpu redis':>9} "
-        f"{'host cpu':>8} {'p50 ms':>7} {'p99 ms':>7}"
+        f"{'host cpu':>8} {'p50 ms':>7} {'p99 ms':>7} {'fewest':>6}"
     )
     print(header)
     print("-" * len(header))
@@ -73,7 +73,8 @@ def print_table(rows: list[Result], rounds: int) -> None:
             f"{_format(row.postgres_cpu_ms_per_buy, '.2f'):>7} "
             f"{_format(row.redis_cpu_ms_per_buy, '.3f'):>9} "
             f"{_format(None if row.host_cpu_busy is None else 100 * row.host_cpu_busy, '.0f'):>7}%"
-            f" {_format(row.p50_ms, '.2f'):>7} {_format(row.p99_ms, '.1f'):>7}{note}"
+            f" {_format(row.p50_ms, '.2f'):>7} {_format(row.p99_ms, '.1f'):>7}"
+            f" {_format(row.fewest_share, '.2f'):>6}{note}"
         )
 
 

@@ -266,6 +266,9 @@ def run_contender(contender: Contender, args: argparse.Namespace, round_: int) -
         host_cpu_busy=host_busy,
         p50_ms=percentile_ms(durations, 0.50),
         p99_ms=percentile_ms(durations, 0.99),
+        fewest_share=min(report.sold for report in buyers) * len(buyers) / sold
+        if sold and buyers and not missing
+        else None,
         audit={key: value for key, value in audit.items() if key != "orders_by_status"},
         phases_ms_per_buy={phase: 1000 * total / sold for phase, total in phases.items()}
         if sold
