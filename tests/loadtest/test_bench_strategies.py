@@ -75,7 +75,12 @@ def test_a_tiny_run_prints_every_contender_and_no_safe_one_oversells(django_db_s
     for name in SAFE:
         assert results[name]["errors"] == [], results[name]["errors"]
         assert results[name]["sold"] == results[name]["accepted_units"] <= STOCK, results[name]
+        # and how evenly the buyers shared the sales: the fewest any one sold, over an even share
+        assert 0.0 <= results[name]["fewest_share"] <= 1.0, results[name]
     assert json.loads(report.read_text())["broken"] == []
+    # (the buyers warmed up first, on sales of their own: the measured sales' orders above are
+    # exactly the units they counted after the barrier)
+    assert json.loads(report.read_text())["parameters"]["warmup"] == 25
 
 
 @pytest.mark.parametrize("peer", list(PEERS))
