@@ -9,7 +9,7 @@ from redis.exceptions import LockError, LockNotOwnedError
 
 from .counter import Claim, KeyClaimed, StockCounter
 from .lock import Lock
-from .quorum import QuorumLock
+from .quorum import ProcessFences, QuorumLock
 
 __all__ = [
     "Claim",
@@ -17,6 +17,7 @@ __all__ = [
     "Lock",
     "LockError",
     "LockNotOwnedError",
+    "ProcessFences",
     "QuorumLock",
     "StockCounter",
 ]

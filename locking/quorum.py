@@ -3,6 +3,7 @@ fencing token from one outside source."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import threading
@@ -44,6 +45,21 @@ class _State(threading.local):
     fence: int | None = None
     lost: bool = False
     stop: threading.Event | None = None
+
+
+class ProcessFences:
+    """A ``fence_source`` that counts up in this process's memory, one count for every lock
+    name: monotonic for as long as the process lives, and for nothing beyond it. For one
+    process's own locks (a test, a demonstration); a shop of several processes or hosts needs
+    a source they share (`inventory.fences` uses the database)."""
+
+    def __init__(self) -> None:
+        self._next = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def __call__(self, name: str) -> int:
+        with self._lock:
+            return next(self._next)
 
 
 class QuorumLock:

@@ -9,7 +9,6 @@ prevented) the same way on every run, on a busy machine too.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import multiprocessing
 import statistics
 import threading
@@ -24,7 +23,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import LockNotOwnedError
 from redis.retry import Retry
 
-from locking import Lock, QuorumLock, StockCounter, scripts
+from locking import Lock, ProcessFences, QuorumLock, StockCounter, scripts
 from shop.processes.redis_server import RedisServer
 
 from .. import naive
@@ -490,19 +489,6 @@ def _holding(clients: list[redis.Redis], token: bytes | None) -> int:
     return sum(client.get(NAME) == token for client in clients)
 
 
-class _Fences:
-    """One monotonic source of fencing tokens outside the masters, as the shop's database row
-    per lock name is: a master that restarts or fails over cannot hand out a number twice."""
-
-    def __init__(self) -> None:
-        self._next = itertools.count(1)
-        self._lock = threading.Lock()
-
-    def __call__(self, name: str) -> int:
-        with self._lock:
-            return next(self._next)
-
-
 class FailoverLosesLock(Scenario):
     name = "failover-loses-lock"
     measure = "holders at once beyond one"
@@ -577,7 +563,7 @@ class FailoverLosesLock(Scenario):
     def _quorum(self, recorder: Recorder) -> dict[str, Any]:
         """`QuorumLock` on MASTERS masters of the run's own; the first replicates to a replica
         behind a cut link, dies after granting A's lock, and its replica takes its place."""
-        fences = _Fences()
+        fences = ProcessFences()
         with contextlib.ExitStack() as servers:
             masters = [servers.enter_context(RedisServer()) for _ in range(self.MASTERS)]
             link = servers.enter_context(LossyProxy(masters[0].port))

@@ -4,14 +4,13 @@ never a grant), a master restarted empty under a holder, the watchdog, the fence
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 
 import pytest
 import redis
 
-from locking import QuorumLock
+from locking import ProcessFences, QuorumLock
 from shop.processes.redis_server import RedisServer
 
 
@@ -35,20 +34,8 @@ def clients(masters):
         client.close()
 
 
-class Fences:
-    """A monotonic source, as the shop's database sequence is."""
-
-    def __init__(self) -> None:
-        self._next = itertools.count(1)
-        self._lock = threading.Lock()
-
-    def __call__(self, name: str) -> int:
-        with self._lock:
-            return next(self._next)
-
-
 def test_held_on_every_master_while_held_and_nowhere_after(clients):
-    fences = Fences()
+    fences = ProcessFences()
     lock = QuorumLock(clients, "q:basic", timeout=5, fence_source=fences)
     assert lock.acquire()
     assert [client.get("q:basic") for client in clients] == [lock.local.token] * 3
@@ -86,7 +73,7 @@ def test_a_fence_source_that_fails_leaves_nothing_held(clients):
 def _contend(clients, name: str, threads: int = 6, cycles: int = 30) -> tuple[int, int, list]:
     """`threads` threads each take the lock `cycles` times around a read-sleep-write of a
     shared count; returns (the count, the most holders at once, the fences in grant order)."""
-    fences = Fences()
+    fences = ProcessFences()
     state = {"count": 0, "inside": 0, "most": 0}
     granted: list[int] = []
     guard = threading.Lock()

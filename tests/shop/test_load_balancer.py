@@ -8,12 +8,9 @@ replicas' port and nginx's own. Skipped where there is no nginx.
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import socket
 import struct
-import subprocess
 import threading
 import time
 import urllib.request
@@ -25,11 +22,9 @@ from pathlib import Path
 import pytest
 
 from shop.processes.ports import free_port
+from tests.support import NGINX, nginx_serving
 
 ROOT = Path(__file__).resolve().parents[2]
-NGINX = shutil.which("nginx") or (
-    "/usr/sbin/nginx" if os.access("/usr/sbin/nginx", os.X_OK) else None
-)
 REPLICAS = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
 REQUESTS = 40
 
@@ -151,35 +146,8 @@ def balancer(replicas, dns, tmp_path) -> Iterator[tuple[str, float]]:
     assert valid and resolvers == upstreams == listens == 1, (
         "deploy/nginx-cluster.conf changed shape: update this test"
     )
-    (tmp_path / "site.conf").write_text(site)
-    temp = "".join(f"{kind}_temp_path {tmp_path}/{kind};\n" for kind in
-                   ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))  # fmt: skip
-    user = "user root;\n" if os.geteuid() == 0 else ""
-    (tmp_path / "nginx.conf").write_text(
-        f"{user}daemon off;\nworker_processes 1;\npid {tmp_path}/nginx.pid;\n"
-        f"error_log {tmp_path}/error.log;\nevents {{ worker_connections 256; }}\n"
-        f"http {{\naccess_log off;\n{temp}include {tmp_path}/site.conf;\n}}\n"
-    )
-    process = subprocess.Popen(
-        [NGINX, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 15
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if process.poll() is not None:
-                pytest.fail(f"nginx exited: {process.stderr.read().decode()}")
-            if time.monotonic() > deadline:
-                pytest.fail("nginx did not listen within 15 s")
-            time.sleep(0.05)
-    yield url, float(valid.group(1))
-    process.terminate()
-    process.wait(10)
+    with nginx_serving(site, tmp_path, port) as url:
+        yield url, float(valid.group(1))
 
 
 def _spread(url: str, count: int = REQUESTS) -> Counter:

@@ -6,11 +6,8 @@ with the machine's nginx; skipped where there is none (`make nginx` installs it,
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import socket
-import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -20,10 +17,7 @@ import pytest
 from shop.processes.ports import free_port
 from shop.processes.servers import PROJECT_DIR, ShopServer
 from tests.conftest import server_env
-
-NGINX = shutil.which("nginx") or (
-    "/usr/sbin/nginx" if os.access("/usr/sbin/nginx", os.X_OK) else None
-)
+from tests.support import NGINX, nginx_serving
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -48,34 +42,13 @@ def proxy(gunicorn, tmp_path) -> Iterator[str]:
     site, upstreams = re.subn(r"server web:8000;", f"server 127.0.0.1:{gunicorn.port};", site)
     site, listens = re.subn(r"listen 80;", f"listen 127.0.0.1:{port};", site)
     assert upstreams == listens == 1, "deploy/nginx.conf changed shape: update this test"
-    (tmp_path / "site.conf").write_text(site)
-    temp = "".join(f"{kind}_temp_path {tmp_path}/{kind};\n" for kind in
-                   ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))  # fmt: skip
-    user = "user root;\n" if os.geteuid() == 0 else ""
-    (tmp_path / "nginx.conf").write_text(
-        f"{user}daemon off;\nworker_processes 1;\npid {tmp_path}/nginx.pid;\n"
-        f"error_log {tmp_path}/error.log;\nevents {{ worker_connections 256; }}\n"
-        f"http {{\naccess_log off;\n{temp}include {tmp_path}/site.conf;\n}}\n"
-    )
-    process = subprocess.Popen(
-        [NGINX, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/healthz", timeout=2) as response:
-                if response.status == 200:
-                    break
-        except OSError:
-            if process.poll() is not None:
-                pytest.fail(f"nginx exited: {process.stderr.read().decode()}")
+    with nginx_serving(site, tmp_path, port) as url:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:  # up once gunicorn answers through it
+            if _answers_within(url, 2):
+                break
             time.sleep(0.1)
-    yield url
-    process.terminate()
-    process.wait(10)
+        yield url
 
 
 def _trickle(port: int) -> list[socket.socket]:

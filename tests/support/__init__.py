@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import socket
+import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -89,3 +94,48 @@ def flood_sells_exactly_the_stock(url: str, sku: str, *, stock: int, attempts: i
     assert audit["oversold"] == 0 and audit["remaining"] == 0, audit
     assert audit["db_stock"] == audit["redis_stock"] == 0 and audit["consistent"], audit
     return stored
+
+
+NGINX = shutil.which("nginx") or (
+    "/usr/sbin/nginx" if os.access("/usr/sbin/nginx", os.X_OK) else None
+)
+
+
+@contextlib.contextmanager
+def nginx_serving(site: str, directory: Any, port: int) -> Iterator[str]:
+    """Run the machine's nginx (NGINX) on one site's configuration, in `directory` (its temp
+    paths, pid and log), listening on 127.0.0.1:`port`; yields its URL once it accepts
+    connections, and stops it afterwards. Fails the test if nginx exits or does not listen
+    within 15 s."""
+    import pytest
+
+    (directory / "site.conf").write_text(site)
+    temp = "".join(f"{kind}_temp_path {directory}/{kind};\n" for kind in
+                   ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))  # fmt: skip
+    user = "user root;\n" if os.geteuid() == 0 else ""
+    (directory / "nginx.conf").write_text(
+        f"{user}daemon off;\nworker_processes 1;\npid {directory}/nginx.pid;\n"
+        f"error_log {directory}/error.log;\nevents {{ worker_connections 256; }}\n"
+        f"http {{\naccess_log off;\n{temp}include {directory}/site.conf;\n}}\n"
+    )
+    process = subprocess.Popen(
+        [NGINX, "-p", str(directory), "-c", str(directory / "nginx.conf")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if process.poll() is not None:
+                    pytest.fail(f"nginx exited: {process.stderr.read().decode()}")
+                if time.monotonic() > deadline:
+                    pytest.fail("nginx did not listen within 15 s")
+                time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(10)
