@@ -237,6 +237,17 @@ def postmaster_pid(pgdata: Path) -> int | None:
     return pid if pid_alive(pid) else None
 
 
+class _Failures(logging.Handler):
+    """Keeps the messages of the error records logged to it."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 class EmbeddedPostgres:
     def __init__(self, pgdata: Path) -> None:
         self.pgdata = pgdata
@@ -264,6 +275,11 @@ class EmbeddedPostgres:
         self.pgdata.parent.mkdir(parents=True, exist_ok=True)
         self.shared_with_pid = postmaster_pid(self.pgdata)
         log = self.pgdata / "log"
+        # pgserver logs a failed command's output (initdb's complaint, say) and raises without
+        # it: keep what it logs, for the error below.
+        failures = _Failures()
+        pgserver_log = logging.getLogger("pgserver")
+        pgserver_log.addHandler(failures)
         try:
             if self.pgdata.exists():
                 self._prune_dead_handles(pgserver)
@@ -273,6 +289,8 @@ class EmbeddedPostgres:
         except Exception as exc:
             if isinstance(exc, subprocess.CalledProcessError):
                 what = f"{Path(exc.cmd[0]).name} {exc.cmd[-1]} exited with status {exc.returncode}"
+                if failures.messages:
+                    what += f"\n--- what it said ---\n{failures.messages[-1][-2000:]}"
             elif isinstance(exc, subprocess.TimeoutExpired):
                 what = f"{Path(exc.cmd[0]).name} {exc.cmd[-1]} timed out after {exc.timeout} s"
             else:
@@ -281,6 +299,8 @@ class EmbeddedPostgres:
                 f"embedded PostgreSQL (pgserver) failed to start in {self.pgdata}: {what}\n"
                 f"--- last lines of {log} ---\n{tail(log, 15)}"
             ) from exc
+        finally:
+            pgserver_log.removeHandler(failures)
         if info.socket_dir is None or info.port is None:
             raise DevServicesError(f"embedded PostgreSQL in {self.pgdata} has no unix socket")
         self.socket_dir, self.port = info.socket_dir, info.port

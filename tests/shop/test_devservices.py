@@ -294,6 +294,23 @@ def test_postgres_that_cannot_start_is_reported_with_its_log(tmp_path):
     assert not processes_mentioning(str(tmp_path))
 
 
+def test_a_data_folder_initdb_refuses_is_reported_with_initdbs_own_words(tmp_path):
+    # Given a data folder holding something that is not a database (initdb will not touch it)
+    (tmp_path / "postgres").mkdir()
+    (tmp_path / "postgres" / "notes.txt").write_text("not a database")
+    env = runner_env(tmp_path, REDIS_URL="redis://unused.invalid:6379/0")
+
+    # When a runner starts
+    code, out, err = finish(start_runner("print('should not run')", env), timeout=60)
+
+    # Then it refuses, naming the command and quoting what initdb said, and leaves nothing
+    assert code == 1 and "should not run" not in out
+    assert "initdb postgres exited with status 1" in err
+    assert "exists but is not empty" in err, err
+    assert (tmp_path / "postgres" / "notes.txt").read_text() == "not a database"
+    assert not processes_mentioning(str(tmp_path))
+
+
 @pytest.mark.embedded_smoke
 def test_runners_share_one_redis_and_the_last_one_stops_it(data_dir):
     # A holds the server while B comes and goes: B sees A's keys, A sees B's after B left.
