@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from loadtest.cpu import PARTS
 from loadtest.models import SaleRun
 
 #: The run that floods a no-op endpoint: the HTTP ceiling the strategies are compared with.
@@ -155,6 +156,46 @@ def table(runs: Sequence[SaleRun]) -> str:
     return "\n".join(lines)
 
 
+#: The CPU table's columns: the parts of `loadtest.cpu`, all of them, and how busy the host was.
+CPU_COLUMNS = [*PARTS, "all", "host busy"]
+CPU_LEGEND = (
+    "CPU per unit sold over the window, in ms (the baseline: per request once the crowd is in), "
+    "by part of the system on this host: server (gunicorn), writer (the sale writer), worker "
+    "(Celery), locust (the crowd), postgres and redis (every such process here), other (the "
+    "rest of the host's busy CPU); all: the host's busy CPU; host busy: its share of the "
+    "host's CPUs. A rate on a busy host is set by what a unit costs in all."
+)
+
+
+def cpu_cells(run: SaleRun) -> list[str] | None:
+    """The run's row of the CPU table, or None when it was not measured."""
+    cpu = run.audit.get("cpu") or {}
+    costs = cpu.get("per_unit_ms") or cpu.get("per_request_ms")
+    if not costs:
+        return None
+    cells = ["-" if costs.get(part) is None else f"{costs[part]:.2f}" for part in [*PARTS, "all"]]
+    busy = cpu.get("host_busy")
+    return [*cells, "-" if busy is None else f"{busy:.0%}"]
+
+
+def cpu_table(runs: Sequence[SaleRun]) -> str:
+    """Where each run's CPU went, per unit sold, as fixed-width text ("" if none was measured)."""
+    rows = [[run.strategy, *cells] for run in runs if (cells := cpu_cells(run)) is not None]
+    if not rows:
+        return ""
+    rows.insert(0, ["cpu ms per unit", *CPU_COLUMNS])
+    widths = [max(len(row[index]) for row in rows) for index in range(len(rows[0]))]
+    lines = [
+        "  ".join(
+            value.ljust(width) if index == 0 else value.rjust(width)
+            for index, (value, width) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join([*lines, CPU_LEGEND])
+
+
 def stranded(run: SaleRun) -> bool:
     """Buyers of a sale were told sold out while the database still held units for it."""
     return bool(run.audit.get("sold_out_answers")) and not run.audit.get("sold_out", True)
@@ -259,6 +300,21 @@ def render_html(runs: Sequence[SaleRun]) -> str:
         for run in runs
     )
     remarks = "".join(f"<li>{html.escape(note)}</li>" for note in notes(runs))
+    cpu_rows = [(run.strategy, cells) for run in runs if (cells := cpu_cells(run)) is not None]
+    cpu = ""
+    if cpu_rows:
+        cpu_head = "".join(
+            f"<th scope='col'>{html.escape(label)}</th>"
+            for label in ["cpu ms per unit", *CPU_COLUMNS]
+        )
+        cpu_body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(value)}</td>" for value in [name, *cells]) + "</tr>"
+            for name, cells in cpu_rows
+        )
+        cpu = (
+            f"<table><thead><tr>{cpu_head}</tr></thead><tbody>{cpu_body}</tbody></table>"
+            f"<p>{html.escape(CPU_LEGEND)}</p>"
+        )
     figures = charts([(run.strategy, run) for run in runs])
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
@@ -275,6 +331,7 @@ figure {{ margin: 0; }} figcaption {{ font-weight: 600; margin-bottom: .3rem; }}
 <p>{LEGEND}</p>
 <table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>
 <ul>{remarks}</ul>
+{cpu}
 <div class="charts">{"".join(figures)}</div>
 </body></html>
 """

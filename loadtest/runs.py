@@ -57,6 +57,7 @@ from shop import queues
 from shop.processes.servers import PROJECT_DIR, CeleryWorker, SaleWriter, ShopServer
 
 from .bench.measure import percentile_ms
+from .cpu import CpuMeter, per_unit
 from .models import SaleRun
 from .report import BASELINE, summary_line, write_report
 
@@ -254,17 +255,17 @@ def run_batch(
     out = Path(config.out or settings.FLASHSALE_REPORTS_DIR / batch)
     out.mkdir(parents=True, exist_ok=True)
     runs: list[SaleRun] = []
-    with _target(config, batch, out, progress) as host:
+    with _target(config, batch, out, progress) as (host, parts):
         progress(f"batch {batch}: {host}, reports in {out}")
         if config.cap_seconds < config.ramp_seconds + config.window:
             progress(
                 f"note: a sale lasts at most {config.cap_seconds:g} s, too short for the "
                 f"crowd's ramp and a {config.window:g} s window: every window will be short"
             )
-        baseline = _run_one(config, batch, BASELINE, host, out, progress)
+        baseline = _run_one(config, batch, BASELINE, host, parts, out, progress)
         runs.append(baseline)
         for strategy in config.strategies:
-            run = _run_one(config, batch, strategy, host, out, progress)
+            run = _run_one(config, batch, strategy, host, parts, out, progress)
             run.baseline_requests_per_second = baseline.requests_per_second
             run.save(update_fields=["baseline_requests_per_second"])
             runs.append(run)
@@ -273,15 +274,19 @@ def run_batch(
 
 
 @contextmanager
-def _target(config: LoadRunSettings, batch: str, out: Path, progress: Progress) -> Iterator[str]:
-    """The server to flood: `--host`, or a gunicorn and a Celery worker started for the batch.
+def _target(
+    config: LoadRunSettings, batch: str, out: Path, progress: Progress
+) -> Iterator[tuple[str, dict[int, str]]]:
+    """The server to flood, and the processes started for it by part (`loadtest.cpu`):
+    `--host` (none), or a gunicorn and a Celery worker (and a sale writer) started for the
+    batch.
 
     The worker started here consumes a task queue of the batch's own, deleted when the batch
     ends: orders it has not settled by then stay pending in the database (the outbox a sweeper
     publishes again), and no later worker inherits thousands of stale tasks.
     """
     if config.host:
-        yield config.host.rstrip("/")
+        yield config.host.rstrip("/"), {}
         return
     queue = f"{settings.CELERY_TASK_DEFAULT_QUEUE}-loadtest-{batch}"
     env = {
@@ -317,7 +322,15 @@ def _target(config: LoadRunSettings, batch: str, out: Path, progress: Progress) 
         stack.callback(server.stop)
         server.start()
         worker.start()
-        yield server.url
+        parts = {_pid(server): "server", _pid(worker): "worker"}
+        if writer is not None:
+            parts[_pid(writer)] = "writer"
+        yield server.url, parts
+
+
+def _pid(process: ShopServer | CeleryWorker | SaleWriter) -> int:
+    assert process.process is not None, "started"
+    return process.process.pid
 
 
 def _delete_queue(queue: str, strategies: list[str], since: datetime, progress: Progress) -> None:
@@ -343,6 +356,7 @@ def _run_one(
     batch: str,
     strategy: str,
     host: str,
+    parts: dict[int, str],
     out: Path,
     progress: Progress,
 ) -> SaleRun:
@@ -351,12 +365,17 @@ def _run_one(
         batch=batch, strategy=strategy, sku=sku, parameters=config.parameters()
     )
     prefix = out / strategy
+    meter = CpuMeter(roots=dict(parts))
     try:
         if sku:
-            exit_code = _sell(run, config, host, prefix, progress)
+            exit_code = _sell(run, config, host, prefix, progress, meter)
         else:
-            exit_code = _locust(config, run, host, prefix, progress, config.baseline_seconds)
+            with _metering(meter):
+                exit_code = _locust(
+                    config, run, host, prefix, progress, config.baseline_seconds, meter=meter
+                )
             _read_stats(run, prefix, config.qty, exit_code)
+            _record_baseline_cpu(run, prefix, config, meter)
         # 1: some requests failed, counted above; 3: oversold, which the audit shows.
         if exit_code not in (0, 1, OVERSOLD_EXIT_CODE):
             raise LoadRunError(f"Locust exited with {exit_code}; see {prefix}.log")
@@ -380,6 +399,7 @@ def _sell(
     host: str,
     prefix: Path,
     progress: Progress,
+    meter: CpuMeter,
 ) -> int:
     """Probe (unless the stock is fixed), then sell out one sale of run.sku and audit it;
     return Locust's exit code for the sale.
@@ -405,20 +425,27 @@ def _sell(
         opens_in=LOCUST_START_SECONDS + config.warmup_seconds,
     )
     until_open = (sale.opens_at - timezone.now()).total_seconds()
-    exit_code = _locust(
-        config,
-        run,
-        host,
-        prefix,
-        progress,
-        until_open + config.cap_seconds,
-        opens_at=sale.opens_at.timestamp(),
-        until_sold_out=True,
-    )
+    with _metering(meter):
+        exit_code = _locust(
+            config,
+            run,
+            host,
+            prefix,
+            progress,
+            until_open + config.cap_seconds,
+            opens_at=sale.opens_at.timestamp(),
+            until_sold_out=True,
+            meter=meter,
+        )
     _read_stats(run, prefix, config.qty, exit_code)
     if config.settle_timeout:
         _settle(run.sku, timeout=config.settle_timeout)
     _record_audit(run, sale.opens_at, config)
+    window = run.audit["window"]
+    if window.get("units"):
+        cpu = meter.between(window["starts_at"], window["ends_at"])
+        if cpu is not None:
+            run.audit["cpu"] = {**cpu, "per_unit_ms": per_unit(cpu, window["units"])}
     _record_settling(run, sale.opens_at, waited=config.settle_timeout)
     return exit_code
 
@@ -489,6 +516,7 @@ def _locust(
     *,
     opens_at: float | None = None,
     until_sold_out: bool = False,
+    meter: CpuMeter | None = None,
 ) -> int:
     """Run Locust for at most run_time seconds; return its exit code.
 
@@ -521,6 +549,8 @@ def _locust(
         process = subprocess.Popen(
             command, cwd=PROJECT_DIR, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy()
         )
+        if meter is not None:
+            meter.track(process.pid, "locust")
         try:
             while not _exited(process, within=2.0):
                 elapsed = min(time.monotonic() - started, seconds)
@@ -546,6 +576,39 @@ def _locust(
             process.wait()
             raise
     return process.returncode
+
+
+@contextmanager
+def _metering(meter: CpuMeter) -> Iterator[CpuMeter]:
+    meter.start()
+    try:
+        yield meter
+    finally:
+        meter.stop()
+
+
+def _record_baseline_cpu(
+    run: SaleRun, prefix: Path, config: LoadRunSettings, meter: CpuMeter
+) -> None:
+    """The baseline's CPU per request, from once the crowd is in to the end of its run (the
+    requests counted from Locust's history)."""
+    totals = [
+        (int(row["Timestamp"]), int(row["Total Request Count"] or 0))
+        for row in _rows(Path(f"{prefix}_stats_history.csv"))
+        if row["Name"] == "Aggregated"
+    ]
+    if len(totals) < 2:
+        return
+    start_at = totals[0][0] + math.ceil(config.ramp_seconds)
+    steady = [(at, count) for at, count in totals if at >= start_at]
+    if len(steady) < 2:
+        return
+    (start, first), (end, last) = steady[0], steady[-1]
+    cpu = meter.between(start, end)
+    if cpu is not None and last > first:
+        requests = last - first
+        cpu = {**cpu, "requests": requests, "per_request_ms": per_unit(cpu, requests)}
+        run.audit = {**run.audit, "cpu": cpu}
 
 
 def _exited(process: subprocess.Popen[bytes], *, within: float) -> bool:
@@ -786,6 +849,8 @@ def measure_window(
         "units": units,
         "units_per_second": round(units / seconds, 1) if seconds > 0 else None,
         "held": seconds >= target,
+        "starts_at": start.timestamp(),
+        "ends_at": end.timestamp(),
         "starts_after_first_order": round((start - first).total_seconds(), 2),
         "ended_by": "window" if seconds >= target else ("sold out" if sold_out else "cap"),
     }

@@ -53,6 +53,18 @@ def test_a_sized_sale_sells_through_its_window_then_sells_out(tmp_path):
     assert lua.accepted_units == lua.initial_stock and lua.oversold == 0 and lua.remaining == 0
     assert lua.audit["db_stock"] == 0 and lua.audit["lost_updates"] == 0
     assert lua.audit["consistent"], lua.audit
+    # and where the CPU went over the window was measured, by part: every process started for
+    # the run and Locust spent some, the parts add up to the host's busy CPU, and the table of
+    # it is printed under the comparison, the baseline's per request
+    cpu = lua.audit["cpu"]
+    assert cpu["seconds"] == pytest.approx(window["seconds"], abs=0.01)
+    costs = cpu["per_unit_ms"]
+    assert all(costs[part] > 0 for part in ("server", "writer", "worker", "locust")), cpu
+    parts = sum(value for part, value in costs.items() if part != "all" and value is not None)
+    assert parts == pytest.approx(costs["all"], rel=0.01) and 0 < cpu["host_busy"] <= 1
+    assert runs["baseline"].audit["cpu"]["per_request_ms"]["server"] > 0
+    assert re.search(r"^cpu ms per unit +server +writer", result.stdout, re.MULTILINE)
+    assert re.search(r"^lua +\d+\.\d\d +\d+\.\d\d", result.stdout, re.MULTILINE)
     # and unsafe shows its damage: units accepted beyond what its stock went down by
     unsafe = runs["unsafe"]
     went_down = unsafe.initial_stock - unsafe.audit["db_stock"]

@@ -15,7 +15,7 @@ from django.db.migrations.executor import MigrationExecutor
 from inventory.exceptions import InvalidRequest
 from inventory.strategies import oversells, strategy_names
 from loadtest import sandbox
-from loadtest.report import BASELINE, stranded, table
+from loadtest.report import BASELINE, cpu_table, stranded, table
 from loadtest.runs import BATCH_ID, SETTLE_TIMEOUT, LoadRunSettings, run_batch
 
 
@@ -189,6 +189,9 @@ class Command(BaseCommand):
         self.stdout.write("")
         self.stdout.write(table(batch.runs))
         self.stdout.write("")
+        if cpu := cpu_table(batch.runs):
+            self.stdout.write(cpu)
+            self.stdout.write("")
         for kind, path in batch.files.items():
             self.stdout.write(f"{kind.upper():<5} {path}")
         broken = [

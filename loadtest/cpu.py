@@ -1,0 +1,230 @@
+"""Where a load run's CPU goes: each part of the system's CPU per unit sold over a window.
+
+On a machine of a few cores the rate a strategy sells at is set by the CPU a unit costs, and
+most of that is not the strategy's: the HTTP server, the load generator and the order worker
+share the same cores. A meter samples, four times a second, the CPU time (user + system) of
+the processes on this host by part, and over a window (two instants) reads each part's CPU
+off its samples:
+
+- `server`: the gunicorn started for the run and its workers;
+- `writer`: the sale writer started with it; `worker`: the Celery worker;
+- `locust`: the Locust processes of the run (the crowd);
+- `postgres`, `redis`: every process of that name on this host (backends, WAL writer and
+  checkpointer; every Redis server), so a server elsewhere counts nothing here;
+- `other`: the rest of the host's busy CPU (this process, the broker, the kernel's threads),
+  read from /proc/stat, so that the parts add up to what the host's CPUs did.
+
+A process is counted from when the meter first sees it; one that comes and goes between two
+samples is counted in `other`. Linux only (/proc); elsewhere `CpuMeter.between` returns None.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+#: The parts, in the order the report prints them.
+PARTS = ("server", "writer", "worker", "locust", "postgres", "redis", "other")
+#: Parts told apart by the name of the process (its `comm`).
+BY_NAME = {"postgres": "postgres", "redis-server": "redis"}
+INTERVAL = 0.25
+
+
+def _ticks() -> int:
+    return os.sysconf("SC_CLK_TCK")
+
+
+def _host_busy() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all the host's CPUs since boot; None without /proc/stat."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(value) for value in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    # user nice system idle iowait irq softirq steal (guest time is inside user already)
+    idle = fields[3] + fields[4]
+    total = sum(fields[:8])
+    return total - idle, total
+
+
+def _processes() -> dict[int, tuple[str, int, int]]:
+    """pid: (name, parent pid, CPU jiffies) of every process on this host."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                line = stat.read()
+        except OSError:
+            continue  # gone meanwhile
+        name = line[line.index("(") + 1 : line.rindex(")")]
+        rest = line[line.rindex(")") + 2 :].split()
+        found[int(entry)] = (name, int(rest[1]), int(rest[11]) + int(rest[12]))
+    return found
+
+
+@dataclass
+class _Sample:
+    at: float  # time.time()
+    seconds: dict[str, float]  # part: CPU seconds since the meter started
+    busy: float  # host busy CPU seconds since the meter started
+    total: float  # host CPU seconds (busy and idle) since the meter started
+
+
+@dataclass
+class CpuMeter:
+    """Samples CPU by part from `start()` to `stop()`; `roots` maps a process (pid) to the
+    part it and its descendants belong to, and `track` adds one while the meter runs."""
+
+    roots: dict[int, str] = field(default_factory=dict)
+    interval: float = INTERVAL
+    samples: list[_Sample] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last: dict[int, int] = {}  # pid: jiffies at its last sample
+        self._parts: dict[str, float] = dict.fromkeys(PARTS, 0.0)
+        self._seen: set[str] = set()  # parts some process was found for
+        self._host0: tuple[int, int] | None = None
+
+    @staticmethod
+    def available() -> bool:
+        return _host_busy() is not None
+
+    def track(self, pid: int, part: str) -> None:
+        with self._lock:
+            self.roots[pid] = part
+
+    def start(self) -> CpuMeter:
+        if not self.available():
+            return self
+        self._host0 = _host_busy()
+        self._last = {pid: jiffies for pid, (_, _, jiffies) in _processes().items()}
+        self._record()
+        self._thread = threading.Thread(target=self._run, name="cpu-meter", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            self.sample()
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self.interval):
+            self.sample()
+
+    def sample(self) -> None:
+        """Take one sample now (the thread does every `interval`)."""
+        processes = _processes()
+        with self._lock:
+            roots = dict(self.roots)
+        for pid, (_, _, jiffies) in processes.items():
+            spent = jiffies - self._last.get(pid, 0)
+            self._last[pid] = jiffies
+            if spent <= 0:
+                continue
+            part = self._part_of(pid, processes, roots)
+            if part is not None:
+                self._parts[part] += spent / _ticks()
+                self._seen.add(part)
+        self._last = {pid: self._last[pid] for pid in processes}
+        self._record()
+
+    @staticmethod
+    def _part_of(
+        pid: int, processes: dict[int, tuple[str, int, int]], roots: dict[int, str]
+    ) -> str | None:
+        name = processes[pid][0]
+        if name in BY_NAME:
+            return BY_NAME[name]
+        hops = 0
+        while pid in processes and hops < 64:
+            if pid in roots:
+                return roots[pid]
+            pid = processes[pid][1]
+            hops += 1
+        return None
+
+    def _record(self) -> None:
+        host = _host_busy()
+        if host is None or self._host0 is None:
+            return
+        busy = (host[0] - self._host0[0]) / _ticks()
+        total = (host[1] - self._host0[1]) / _ticks()
+        self.samples.append(_Sample(time.time(), dict(self._parts), busy, total))
+
+    def between(self, start: float, end: float) -> dict[str, object] | None:
+        """CPU seconds by part from `start` to `end` (Unix times), read off the samples
+        (linearly between two of them), with `other`, `busy` (all the host's busy CPU) and
+        `host_busy` (its share of the host's CPUs). None when the samples do not cover the
+        window. Parts no process was found for are None."""
+        if len(self.samples) < 2 or end <= start:
+            return None
+        if start < self.samples[0].at - self.interval or end > self.samples[-1].at + self.interval:
+            return None
+        before, after = self._at(start), self._at(end)
+        seconds: dict[str, float | None] = {}
+        for part in PARTS[:-1]:
+            spent = after.seconds[part] - before.seconds[part]
+            seconds[part] = max(spent, 0.0) if part in self._seen else None
+        busy = after.busy - before.busy
+        total = after.total - before.total
+        counted = sum(value for value in seconds.values() if value is not None)
+        seconds["other"] = max(busy - counted, 0.0)
+        return {
+            "seconds": round(end - start, 3),
+            "cpu_seconds": {part: _round(value) for part, value in seconds.items()},
+            "busy_cpu_seconds": round(busy, 4),
+            "host_busy": round(busy / total, 3) if total > 0 else None,
+            "cores": os.cpu_count(),
+        }
+
+    def _at(self, moment: float) -> _Sample:
+        """The samples' reading at `moment`, linearly between the two around it."""
+        times = [sample.at for sample in self.samples]
+        index = bisect.bisect_left(times, moment)
+        if index <= 0:
+            return self.samples[0]
+        if index >= len(self.samples):
+            return self.samples[-1]
+        low, high = self.samples[index - 1], self.samples[index]
+        share = (moment - low.at) / (high.at - low.at) if high.at > low.at else 0.0
+
+        def mix(a: float, b: float) -> float:
+            return a + (b - a) * share
+
+        return _Sample(
+            moment,
+            {part: mix(low.seconds[part], high.seconds[part]) for part in low.seconds},
+            mix(low.busy, high.busy),
+            mix(low.total, high.total),
+        )
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+def per_unit(cpu: dict[str, object] | None, units: float) -> dict[str, float | None]:
+    """Milliseconds of CPU per unit by part (and `all`: the host's busy CPU), from `between`."""
+    if not cpu or units <= 0:
+        return {}
+    seconds = cpu["cpu_seconds"]
+    assert isinstance(seconds, dict)
+    result: dict[str, float | None] = {
+        part: None if seconds.get(part) is None else round(seconds[part] * 1000 / units, 3)
+        for part in PARTS
+    }
+    busy = cpu["busy_cpu_seconds"]
+    assert isinstance(busy, float)
+    result["all"] = round(busy * 1000 / units, 3)
+    return result

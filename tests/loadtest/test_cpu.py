@@ -1,0 +1,73 @@
+"""The load run's CPU meter: real processes' CPU, read by part over a window."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from loadtest.cpu import PARTS, CpuMeter, _Sample, per_unit
+
+pytestmark = pytest.mark.skipif(not CpuMeter.available(), reason="needs /proc")
+
+BURN = "import time\nend = time.process_time() + {seconds}\nwhile time.process_time() < end: pass"
+
+
+def test_a_process_and_its_children_are_counted_in_their_part_over_a_window():
+    # Given a meter that knows a process as the server, started before the process burns CPU
+    meter = CpuMeter(interval=0.05)
+    parent = subprocess.Popen(
+        [sys.executable, "-c",
+         "import subprocess, sys, time\n"
+         f"child = subprocess.Popen([sys.executable, '-c', {BURN.format(seconds=0.4)!r}])\n"
+         f"exec({BURN.format(seconds=0.3)!r})\n"
+         "child.wait()"]
+    )  # fmt: skip
+    meter.track(parent.pid, "server")
+    meter.start()
+    started = time.time()
+
+    # When it and the child it starts burn 0.3 s and 0.4 s of CPU
+    parent.wait(timeout=30)
+    time.sleep(0.1)
+    ended = time.time()
+    meter.stop()
+
+    # Then the window holds both, in the server's part, and the host's busy CPU holds them too
+    cpu = meter.between(started, ended)
+    assert cpu is not None
+    server = cpu["cpu_seconds"]["server"]
+    assert 0.6 <= server <= 0.9, cpu
+    assert cpu["busy_cpu_seconds"] >= server * 0.95
+    assert 0 < cpu["host_busy"] <= 1
+    # and parts nothing ran for are not measured, rather than measured as zero
+    assert cpu["cpu_seconds"]["locust"] is None and cpu["cpu_seconds"]["writer"] is None
+    # and nothing outside the samples is read
+    assert meter.between(started - 60, ended) is None
+
+
+def test_a_window_between_two_samples_is_read_linearly_and_the_rest_is_other():
+    meter = CpuMeter()
+    meter._seen = {"server", "locust"}
+    zero = dict.fromkeys(PARTS, 0.0)
+    meter.samples = [
+        _Sample(100.0, {**zero}, busy=0.0, total=0.0),
+        _Sample(101.0, {**zero, "server": 1.0, "locust": 0.4}, busy=1.8, total=2.0),
+        _Sample(102.0, {**zero, "server": 1.2, "locust": 0.8}, busy=2.4, total=4.0),
+    ]
+
+    cpu = meter.between(100.5, 101.5)
+
+    assert cpu["seconds"] == 1.0
+    assert cpu["cpu_seconds"]["server"] == pytest.approx(0.6)
+    assert cpu["cpu_seconds"]["locust"] == pytest.approx(0.4)
+    assert cpu["cpu_seconds"]["other"] == pytest.approx(1.2 - 1.0)  # busy 0.9 -> 2.1
+    assert cpu["host_busy"] == pytest.approx(1.2 / 2.0)
+    assert cpu["cpu_seconds"]["postgres"] is None
+    # per unit: milliseconds of each part, and of the host's busy CPU in all
+    costs = per_unit(cpu, 400)
+    assert costs["server"] == pytest.approx(1.5) and costs["all"] == pytest.approx(3.0)
+    assert costs["postgres"] is None
+    assert per_unit(cpu, 0) == {} and per_unit(None, 10) == {}
