@@ -5,8 +5,10 @@ With FLASHSALE_SALE_WRITER naming a unix socket, a `lua` checkout sends its sale
 database itself. The writer's one thread loops: it reads every request that has arrived, takes
 their units in one script (the same check-and-DECRBY a direct checkout runs, per request), writes
 the sales that got units in one statement and one commit (`inventory.stock.sell_batch`: each
-sale keeps its own guards), and answers each buyer once its order row is committed. Whatever
-arrives while it takes and writes is the next batch: the busier the sale, the larger the batch.
+sale keeps its own guards), answers each buyer once its order row is committed, and hands the
+batch's orders to the order workers (`orders.orders_placed`: the buyers' processes publish
+none). Whatever arrives while it takes and writes is the next batch: the busier the sale, the
+larger the batch.
 One thread, because a second one only moved the batch between threads: with a taker and a
 committer the writer spent half as much CPU again per sale, in their hand-over and their turns
 at the interpreter lock, and sold no faster (docs/design.md).
@@ -185,6 +187,8 @@ class SaleWriter:
         self.batch = batch or settings.FLASHSALE_GROUP_COMMIT_BATCH
         self.sales = 0
         self.batches = 0
+        #: Orders handed to the order workers (`_hand_over`).
+        self.handed = 0
         #: Wall and CPU seconds spent taking (the scripts) and committing (the statements).
         self.take_seconds = self.take_cpu = 0.0
         self.commit_seconds = self.commit_cpu = 0.0
@@ -330,6 +334,7 @@ class SaleWriter:
             "backend_pid": self.backend_pid,
             "sales": self.sales,
             "batches": self.batches,
+            "handed": self.handed,
             "take_seconds": self.take_seconds,
             "take_cpu_seconds": self.take_cpu,
             "commit_seconds": self.commit_seconds,
@@ -412,7 +417,24 @@ class SaleWriter:
         self.commit_seconds += time.perf_counter() - started
         self.commit_cpu += time.thread_time() - cpu0
         self.batches += 1
+        sold = [answer["id"] for answer in answers if answer["o"] == "sold"]
+        self.sales += len(sold)
         for sale, answer in zip(sales, answers, strict=True):
             if answer["o"] == "sold":
-                self.sales += 1
+                answer = {**answer, "handed": True}
             self._answer(sale.conn, {**answer, "rows": sale.request["rows"]})
+        if sold:
+            self._hand_over(sold)
+
+    def _hand_over(self, order_pks: list[int]) -> None:
+        """The batch's orders, committed, to the order workers (`orders.orders_placed`): one
+        process publishing every web process's orders sends fewer, larger messages, which
+        the workers settle in fewer, larger batches, and the web processes publish none. A
+        publish that fails leaves the orders pending, for the sweeper, as a web process's."""
+        from . import orders  # (orders imports the strategies, which import this module)
+
+        try:
+            orders.orders_placed(order_pks)
+            self.handed += len(order_pks)
+        except Exception:
+            logger.exception("sale writer: %d orders not handed to the workers", len(order_pks))

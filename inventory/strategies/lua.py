@@ -260,13 +260,16 @@ class LuaStrategy(StockStrategy):
         taken: dict[int, int],
     ) -> Order:
         """The order a batch committed for this checkout (`sale`: the request it was sent)."""
-        return record.sold(
+        order = record.sold(
             order_id=answer["id"],
             public_id=sale["public_id"],
             served_by=self.name,
             shard_units=taken,
             placed_at=datetime.fromisoformat(answer["at"]),
         ).order
+        # The sale writer hands its batches' orders to the workers itself.
+        order.handed_to_workers = bool(answer.get("handed"))
+        return order
 
     def _refuse(self, item: Item, taken: dict[int, int], outcome: str) -> None:
         """A batch's refusal of a sale it wrote nothing for: the units go back, and the

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import subprocess
@@ -25,6 +24,7 @@ from inventory.strategies.base import Allocation
 from inventory.tasks import dispatch_orders_task, settle_orders_task
 from shop.processes.servers import PROJECT_DIR as ROOT
 from tests.conftest import TASK_QUEUE, server_env
+from tests.support import task_messages_carrying
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.embedded_smoke]
 
@@ -171,27 +171,6 @@ def _sell(item, qty, buyer, allocation, *, limit=None):
     return stock.sell(stock.SaleRecorder(item=item, qty=qty, buyer=buyer, limit=limit), allocation)
 
 
-def _carrying(client, pks: list[int], *, since: int) -> list[dict]:
-    """The task messages pushed since the queue held `since` that carry any of `pks`."""
-    found = []
-    for index in range(client.llen(TASK_QUEUE) - since):
-        message = _message(client, index)
-        first = message["args"][0] if message["args"] else None
-        carried = set(first) if isinstance(first, list) else {first}
-        if carried & set(pks):
-            found.append(message)
-    return found
-
-
-def _message(client, index: int) -> dict:
-    """The task message at `index` of the queue (0: the newest)."""
-    envelope = json.loads(client.lindex(TASK_QUEUE, index))
-    return {
-        "task": envelope["headers"]["task"],
-        "args": json.loads(base64.b64decode(envelope["body"]))[0],
-    }
-
-
 def test_forty_orders_go_to_the_broker_as_one_message_settled_as_one_batch(monkeypatch, settings):
     # Given forty committed orders handed to a publisher with no thread of its own
     monkeypatch.setattr(inventory.services, "order_placed", lambda pk: None)
@@ -209,7 +188,7 @@ def test_forty_orders_go_to_the_broker_as_one_message_settled_as_one_batch(monke
     # Then one message carries all forty order keys (other tests' orders may reach the shared
     # queue meanwhile: only messages carrying these count)
     assert sent == 40
-    (message,) = _carrying(client, placed, since=queued)
+    (message,) = task_messages_carrying(client, TASK_QUEUE, placed, since=queued)
     assert message["task"] == "inventory.tasks.settle_orders_task"
     assert message["args"] == [placed]
     assert publisher.flush() == 0  # nothing twice
@@ -221,7 +200,7 @@ def test_forty_orders_go_to_the_broker_as_one_message_settled_as_one_batch(monke
         "failed": 0,
         "skipped": 0,
     }
-    assert _carrying(client, placed, since=queued) == [message]
+    assert task_messages_carrying(client, TASK_QUEUE, placed, since=queued) == [message]
     assert Order.objects.filter(pk__in=placed, status=OrderStatus.CONFIRMED).count() == 40
     assert PaymentAttempt.objects.filter(order__in=placed).count() == 40
     # a message of the task's former name is settled the same way (nothing left to do here)
@@ -258,7 +237,7 @@ def test_a_process_that_exits_cleanly_sends_the_orders_it_still_holds():
     assert result.returncode == 0, result.stderr
     order_pk = int(result.stdout.split()[-1])
     # (other messages may arrive meanwhile: this pytest process's own publisher still runs)
-    assert _carrying(client, [order_pk], since=queued) == [
+    assert task_messages_carrying(client, TASK_QUEUE, [order_pk], since=queued) == [
         {"task": "inventory.tasks.settle_orders_task", "args": [[order_pk]]}
     ]
 

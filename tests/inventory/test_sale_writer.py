@@ -20,15 +20,16 @@ from django.utils import timezone
 from inventory import keys
 from inventory.models import Item, Order
 from inventory.orders import reconcile_sale
+from inventory.redis_client import get_redis_client
 from inventory.selectors import audit_sale
 from inventory.services import place_order, start_sale
 from inventory.strategies import plumbing
 from inventory.writer import writer_stats
 from loadtest.flood import flood
 from shop.processes.servers import SaleWriter as SaleWriterProcess
-from tests.conftest import server_env, start_shop
+from tests.conftest import TASK_QUEUE, server_env, start_shop
 from tests.conftest import writer_in_thread as serving
-from tests.support import flood_sells_exactly_the_stock
+from tests.support import flood_sells_exactly_the_stock, task_messages_carrying
 
 STOCK = 60
 BUYERS = 24
@@ -71,6 +72,37 @@ def test_a_flood_through_the_writer_sells_exactly_the_stock_in_shared_commits(
     written = after["sales"] - before["sales"]
     assert written == ROUNDS * STOCK
     assert after["batches"] - before["batches"] < written
+
+
+def test_the_writer_hands_each_order_it_commits_to_the_workers_once(writer_shop, writer_process):
+    # Given a lua sale sold through the writer, on a broker whose queue nobody consumes here
+    before = writer_stats(writer_process.path)["handed"]
+    client = get_redis_client()
+    queued = client.llen(TASK_QUEUE)
+    sku = f"handed-{uuid.uuid4().hex[:8]}"
+    start_sale(sku=sku, stock=STOCK, strategy="lua")
+
+    # When a crowd buys it out
+    placed = list(
+        flood_sells_exactly_the_stock(
+            writer_shop.url, sku, stock=STOCK, attempts=ATTEMPTS, buyers=BUYERS
+        ).values_list("pk", flat=True)
+    )
+
+    # Then the writer handed every order it sold to the workers
+    assert writer_stats(writer_process.path)["handed"] - before == STOCK
+    # and each is carried by one settle message, and by no other: the writer published them,
+    # several to a message, and the web processes, told so, none
+    deadline = time.monotonic() + 10
+    while True:
+        messages = task_messages_carrying(client, TASK_QUEUE, placed, since=queued)
+        carried = [pk for message in messages for pk in message["args"][0]]
+        if sorted(carried) == sorted(placed) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert sorted(pk for pk in carried if pk in set(placed)) == sorted(placed), messages
+    assert {message["task"] for message in messages} == {"inventory.tasks.settle_orders_task"}
+    assert len(messages) < len(placed)
 
 
 def test_a_redis_counter_too_high_is_refused_by_the_database(writer_in_thread):

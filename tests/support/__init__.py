@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -139,3 +141,20 @@ def nginx_serving(site: str, directory: Any, port: int) -> Iterator[str]:
     finally:
         process.terminate()
         process.wait(10)
+
+
+def task_messages_carrying(client: Any, queue: str, pks: list[int], *, since: int) -> list[dict]:
+    """The task messages pushed on the Redis broker's `queue` since it held `since`, newest
+    first, that carry any of the orders `pks`: each as {"task": name, "args": its arguments}."""
+    found = []
+    for index in range(client.llen(queue) - since):
+        envelope = json.loads(client.lindex(queue, index))
+        message = {
+            "task": envelope["headers"]["task"],
+            "args": json.loads(base64.b64decode(envelope["body"]))[0],
+        }
+        first = message["args"][0] if message["args"] else None
+        carried = set(first) if isinstance(first, list) else {first}
+        if carried & set(pks):
+            found.append(message)
+    return found
