@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -11,6 +12,7 @@ import time
 
 import pytest
 from django.db import connections
+from django.test.utils import CaptureQueriesContext
 
 import inventory.services
 from inventory import orders, stock
@@ -23,7 +25,7 @@ from inventory.strategies import get_strategy
 from inventory.strategies.base import Allocation
 from inventory.tasks import dispatch_orders_task, settle_orders_task
 from shop.processes.servers import PROJECT_DIR as ROOT
-from tests.conftest import TASK_QUEUE, server_env
+from tests.conftest import TASK_QUEUE, server_env, writer_in_thread
 from tests.support import task_messages_carrying
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.embedded_smoke]
@@ -149,6 +151,32 @@ def test_a_sale_from_stock_rows_writes_its_rows_and_never_the_item_row(strategy)
     assert after.units_left == 16
     assert audit_sale("rows")["db_stock"] == 16
     assert BuyerAllowance.objects.get(sale=item.current_sale, buyer="ann").units == 3
+
+
+@pytest.mark.parametrize(
+    "strategy", ["lock", "segmented", "lua", "lua-writer", "optimistic", "unsafe"]
+)
+def test_the_order_a_checkout_returns_is_the_row_it_committed(strategy, settings):
+    # Given an item on sale (lua also through the sale writer), checked out with a key
+    name = strategy.removesuffix("-writer")
+    start_sale(sku="as-read", stock=5, strategy=name, limit=3)
+    with contextlib.ExitStack() as stack:
+        if strategy.endswith("-writer"):
+            settings.FLASHSALE_SALE_WRITER = stack.enter_context(writer_in_thread()).path
+
+        # When a checkout places an order (built from what the sale statement returned)
+        built = place_order(sku="as-read", qty=2, buyer="reader", idempotency_key="k-1").order
+
+    # Then it is the row in the database, field by field, and saved as one that exists
+    stored = Order.objects.get(pk=built.pk)
+    for model_field in Order._meta.concrete_fields:
+        name_ = model_field.attname
+        assert getattr(built, name_) == getattr(stored, name_), name_
+    assert built._state.adding is False and built._state.db == stored._state.db
+    # and its item is the item sold, with no query to read it
+    with CaptureQueriesContext(connections["default"]) as queries:
+        assert built.item.sku == "as-read"
+    assert len(queries) == 0
 
 
 def test_a_checkout_for_a_restarted_sale_takes_nothing_from_the_new_one():
