@@ -98,7 +98,9 @@ class Sold:
         # handling, no descriptor per field), which costs a third of building it by keyword:
         # a checkout builds one per sale.
         fields = {**self.order_fields, "item_id": self.item.pk}
-        order = Order.from_db(connection.alias, None, [fields.get(name) for name in _ORDER_FIELDS])
+        order = Order.from_db(
+            connection.alias, _ORDER_FIELDS, [fields.get(name) for name in _ORDER_FIELDS]
+        )
         order._state.fields_cache["item"] = self.item
         return order
 
