@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from django.contrib.auth.models import Permission, User
@@ -39,7 +40,22 @@ def _batch(batch: str) -> list[SaleRun]:
             history=_history(50),
             settle_p50_ms=321.5,
             settle_p99_ms=876.5,
-            audit={"settle": {"orders": 50, "unsettled": 0, "pending": [[0, 0], [1, 20], [2, 0]]}},
+            audit={
+                "settle": {"orders": 50, "unsettled": 0, "pending": [[0, 0], [1, 20], [2, 0]]},
+                "cpu": {
+                    "host_busy": 0.97,
+                    "per_unit_ms": {
+                        "server": 1.83,
+                        "writer": 0.3,
+                        "worker": 0.35,
+                        "locust": 0.63,
+                        "postgres": 0.47,
+                        "redis": 0.08,
+                        "other": 0.07,
+                        "all": 3.73,
+                    },
+                },
+            },
             **common,
         ),  # fmt: skip
         SaleRun.objects.create(
@@ -124,6 +140,11 @@ def test_the_latest_batch_is_compared_with_table_and_charts(staff_client):
     # the settle lag, in the table and as pending orders over time
     assert "settle p99 ms" in page and "876" in page and "322" in page
     assert "Orders pending, from the opening" in page
+    # and where the CPU went, per unit sold, for the runs that measured it (lua's here)
+    cpu = page[page.index('id="cpu"') :]
+    cpu = cpu[: cpu.index("</table>")]
+    assert re.search(r"<td>lua</td><td>1\.83</td><td>0\.30</td>.*<td>3\.73</td><td>97%</td>", cpu)
+    assert "unsafe" not in cpu
 
 
 def test_chosen_runs_and_filters(staff_client):
