@@ -136,10 +136,14 @@ _COUNTED = (
     "take_cpu_seconds",
     "commit_seconds",
     "commit_cpu_seconds",
+    "handed",
 )
 
 
-def _writer_summary(stats: dict[str, Any], cpu: float) -> str:
+def _writer_summary(stats: dict[str, Any], cpu: float, seconds: float) -> str:
+    """Its batches, and where one batch's turn went: a batch every `seconds` / batches, of
+    which the take and the statement are timed; the rest is the wait for the buyers to send
+    again (their own CPU, on cores they share) and the answers."""
     batches = stats["batches"]
 
     def per_batch(seconds: float) -> str:
@@ -147,7 +151,8 @@ def _writer_summary(stats: dict[str, Any], cpu: float) -> str:
 
     return (
         f"sale writer: {stats['sales']} sales in {batches} batches "
-        f"({stats['sales'] / batches:.1f} per batch); per batch, ms: take "
+        f"({stats['sales'] / batches:.1f} per batch, one every {per_batch(seconds)} ms); "
+        f"per batch, ms: take "
         f"{per_batch(stats['take_seconds'])} ({per_batch(stats['take_cpu_seconds'])} CPU), "
         f"statement {per_batch(stats['commit_seconds'])} "
         f"({per_batch(stats['commit_cpu_seconds'])} CPU); "
@@ -209,11 +214,10 @@ def run_contender(contender: Contender, args: argparse.Namespace, round_: int) -
             process.kill()
             process.join()
     writer_cpu = writer_backend_cpu = 0.0
+    writer_stats: dict[str, Any] = {}
     notes = []
     if writer is not None:
         writer_cpu, writer_backend_cpu, writer_stats = writer.finish()
-        if writer_stats["batches"]:
-            notes.append(_writer_summary(writer_stats, writer_cpu))
 
     buyers = [BuyerReport(**gathered[worker]) for worker in sorted(gathered)]
     errors = [report.error for report in buyers if report.error]
@@ -224,6 +228,8 @@ def run_contender(contender: Contender, args: argparse.Namespace, round_: int) -
     start = min([started_at, *(report.started_at for report in buyers if report.started_at)])
     ends = [report.last_sale_at for report in buyers if report.last_sale_at]
     seconds = (max(ends) - start) if ends else 0.0
+    if writer_stats.get("batches"):
+        notes.append(_writer_summary(writer_stats, writer_cpu, seconds))
     audit = _audit(contender, stock, sold)
 
     def per_buy(total: float | None) -> float | None:
