@@ -26,6 +26,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from .bench.measure import host_cpu_times
+
 #: The parts, in the order the report prints them.
 PARTS = ("server", "writer", "worker", "locust", "postgres", "redis", "other")
 #: Parts told apart by the name of the process (its `comm`).
@@ -35,19 +37,6 @@ INTERVAL = 0.25
 
 def _ticks() -> int:
     return os.sysconf("SC_CLK_TCK")
-
-
-def _host_busy() -> tuple[int, int] | None:
-    """(busy, total) jiffies of all the host's CPUs since boot; None without /proc/stat."""
-    try:
-        with open("/proc/stat") as stat:
-            fields = [int(value) for value in stat.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    # user nice system idle iowait irq softirq steal (guest time is inside user already)
-    idle = fields[3] + fields[4]
-    total = sum(fields[:8])
-    return total - idle, total
 
 
 def _processes() -> dict[int, tuple[str, int, int]]:
@@ -91,11 +80,11 @@ class CpuMeter:
         self._last: dict[int, int] = {}  # pid: jiffies at its last sample
         self._parts: dict[str, float] = dict.fromkeys(PARTS, 0.0)
         self._seen: set[str] = set()  # parts some process was found for
-        self._host0: tuple[int, int] | None = None
+        self._host0: tuple[float, float] | None = None
 
     @staticmethod
     def available() -> bool:
-        return _host_busy() is not None
+        return host_cpu_times() is not None
 
     def track(self, pid: int, part: str) -> None:
         with self._lock:
@@ -104,7 +93,7 @@ class CpuMeter:
     def start(self) -> CpuMeter:
         if not self.available():
             return self
-        self._host0 = _host_busy()
+        self._host0 = host_cpu_times()
         self._last = {pid: jiffies for pid, (_, _, jiffies) in _processes().items()}
         self._record()
         self._thread = threading.Thread(target=self._run, name="cpu-meter", daemon=True)
@@ -155,7 +144,7 @@ class CpuMeter:
         return None
 
     def _record(self) -> None:
-        host = _host_busy()
+        host = host_cpu_times()
         if host is None or self._host0 is None:
             return
         busy = (host[0] - self._host0[0]) / _ticks()
