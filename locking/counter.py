@@ -337,19 +337,23 @@ class StockCounter:
                     self.set_newer(dict(pair for _, pair in group), create=create, force=force)
                     for group in groups.values()
                 )
+        _, keys, args = self.set_newer_call(levels, create=create, force=force)
+        return int(self._set_newer(keys=keys, args=args, client=self.redis))
+
+    @staticmethod
+    def set_newer_call(
+        levels: Mapping[str, tuple[int, int]], *, create: bool = True, force: bool = False
+    ) -> tuple[str, list[str], list[int]]:
+        """:meth:`set_newer` as (its script's source, keys, arguments), for a caller that sends
+        it with something else in one call (`Lock.release(after=...)`). On a cluster every
+        counter must share the slot of whatever it goes with."""
         args: list[int] = [int(create), int(force)]
         for value, version in levels.values():
             if isinstance(version, bool) or not isinstance(version, int):
                 raise ValueError(f"version must be an int, got {version!r}")
             args += [_stock_value(value), version]
         names = list(levels)
-        return int(
-            self._set_newer(
-                keys=[*names, *(version_key(name) for name in names)],
-                args=args,
-                client=self.redis,
-            )
-        )
+        return scripts.STOCK_SET_NEWER, [*names, *(version_key(name) for name in names)], args
 
     def get(self, key: str) -> int | None:
         """Current value of ``key``, None if it does not exist."""

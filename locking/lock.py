@@ -569,8 +569,13 @@ class Lock:
 
     # -- release / TTL ---------------------------------------------------------------
 
-    def release(self) -> None:
+    def release(self, *, after: tuple[str, list[Any], list[Any]] | None = None) -> None:
         """Release the lock: hand it to the first queued waiter, or delete it.
+
+        ``after``: (a script's source, its keys, its arguments) to run first, in the same
+        call to Redis (`scripts.release_after`): one round trip where two would be, and the
+        next holder finds its effect. It runs whether or not the lock is still ours. On a
+        cluster its keys must share the lock's slot.
 
         Raises LockError if this lock was not acquired, LockNotOwnedError if it has
         been taken over or has expired meanwhile (then the lock is left alone; only a
@@ -589,14 +594,22 @@ class Lock:
             if held is not None and held[0] == expected:
                 held[1] -= 1
                 if held[1] > 0:
+                    if after is not None:  # still held: what was to go with the release goes alone
+                        source, before_keys, before_args = after
+                        scripts.script_for(self.redis, source)(
+                            keys=before_keys, args=before_args, client=self.redis
+                        )
                     return  # taken more than once: still held
                 del _reentries.held[self._reentry_key]
         self._stop_watchdog()
-        released = self._release_script(
-            keys=[self.name, self.queue_name, self.waiters_name],
-            args=[expected, WAKE_TTL_MS],
-            client=self.redis,
-        )
+        keys: list[Any] = [self.name, self.queue_name, self.waiters_name]
+        args: list[Any] = [expected, WAKE_TTL_MS]
+        script = self._release_script
+        if after is not None:
+            source, before_keys, before_args = after
+            script = scripts.script_for(self.redis, scripts.release_after(source))
+            keys, args = [*before_keys, *keys], [*before_args, *args]
+        released = script(keys=keys, args=args, client=self.redis)
         if not released:
             raise LockNotOwnedError(
                 "Cannot release a lock that's no longer owned", lock_name=self.name

@@ -46,7 +46,7 @@ from .plumbing import (
     ensure_still_held,
     fence_of,
     new_lock,
-    release_quietly,
+    release_with_hints,
     remember_unsettled,
 )
 
@@ -147,6 +147,7 @@ class SegmentedStrategy(StockStrategy):
 
     def _serve_from_all(self, item: Item, qty: int, record: RecordOrder, deadline: float) -> Order:
         locks: dict[int, Lock] = {}
+        hints: dict[int, StockRow] = {}
         try:
             for index in range(item.shard_count):
                 lock = shard_lock(item, index)
@@ -168,7 +169,7 @@ class SegmentedStrategy(StockStrategy):
                 if needed and levels[index]:
                     plan[index] = min(levels[index], needed)
                     needed -= plan[index]
-            order = self._serve(item, qty, record, plan, locks)
+            order = self._serve(item, qty, record, plan, locks, hints)
             if order is None:  # only a write outside the locks (the fallback) can cause this
                 raise Busy(
                     f"{item.sku}: shards changed under their locks",
@@ -176,8 +177,7 @@ class SegmentedStrategy(StockStrategy):
                 )
             return order
         finally:
-            for lock in reversed(locks.values()):
-                release_quietly(lock)
+            release_with_hints(item, dict(reversed(locks.items())), hints)
 
     def _serve_locked(
         self,
@@ -187,11 +187,11 @@ class SegmentedStrategy(StockStrategy):
         plan: dict[int, int],
         locks: dict[int, Lock],
     ) -> Order | None:
+        hints: dict[int, StockRow] = {}
         try:
-            return self._serve(item, qty, record, plan, locks)
+            return self._serve(item, qty, record, plan, locks, hints)
         finally:
-            for lock in locks.values():
-                release_quietly(lock)
+            release_with_hints(item, locks, hints)
 
     def _serve(
         self,
@@ -200,9 +200,11 @@ class SegmentedStrategy(StockStrategy):
         record: RecordOrder,
         plan: dict[int, int],
         locks: dict[int, Lock],
+        hints: dict[int, StockRow],
     ) -> Order | None:
         """Take the planned units in one statement, fenced by each shard's lock (`locks`, by
-        shard index); None if a shard was short, or refused a fence (hints fixed)."""
+        shard index); None if a shard was short, or refused a fence (hints fixed). A sale's
+        levels go into `hints`, for the release to copy to Redis with the locks."""
         simulate_work()
         for lock in locks.values():
             ensure_still_held(lock, item.sku)
@@ -227,12 +229,11 @@ class SegmentedStrategy(StockStrategy):
                 raise SoldOut(sku=item.sku, requested=qty, remaining=remaining)
             self._write_hints_quietly(item, rows)
             return None
-        self._write_hints_quietly(
-            item,
+        hints.update(
             {
                 index: StockRow(stock=left, version=sold.shard_versions[index])
                 for index, left in sold.shard_levels.items()
-            },
+            }
         )
         return sold.order
 

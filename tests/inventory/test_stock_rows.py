@@ -94,17 +94,19 @@ def test_a_shard_hint_copied_late_never_undoes_a_give_back_copied_before_it(monk
     first = place_order(sku=sku, qty=1, buyer="first").order
     assert first.shard_units == {"3": 1}
 
-    # and a second sale from shard 3 held up after its commit, before it copies its level
+    # and a second sale from shard 3 held up after its commit, before it copies its level (which
+    # goes to Redis with the shard's release)
     paused, go = threading.Event(), threading.Event()
-    write_hints = plumbing.write_hints
+    release_with_hints = segmented.release_with_hints
 
-    def held_up(item, rows, **options):
+    def held_up(item, locks, rows):
         if threading.current_thread().name == "second":
+            assert rows, "the sale's level is copied with the release"
             paused.set()
             assert go.wait(30)
-        return write_hints(item, rows, **options)
+        return release_with_hints(item, locks, rows)
 
-    monkeypatch.setattr(plumbing, "write_hints", held_up)
+    monkeypatch.setattr(segmented, "release_with_hints", held_up)
 
     def second() -> None:
         try:

@@ -612,3 +612,84 @@ def test_handoff_on_a_private_embedded_server() -> None:
         assert admin.lrange("order", 0, -1) == [b"0", b"1", b"2"], version
         # nothing lingers but the last fencing token (it expires within the hour)
         assert sorted(admin.keys("*")) == [f"{name}:fence".encode(), b"order"], version
+
+
+# -- something to tell Redis with the release ---------------------------------------------
+
+#: A script of its own: SET KEYS[1] ARGV[1], and count its runs in KEYS[2].
+_COPY = "redis.call('set', KEYS[1], ARGV[1])\nredis.call('incr', KEYS[2])\nreturn 1"
+
+
+def test_a_release_carries_a_script_the_next_holder_finds_done(
+    r: redis.Redis, prefix: str, clients: Callable[..., redis.Redis]
+) -> None:
+    # Given a holder, and a waiter queued behind it that reads a key as soon as it holds the lock
+    name, copy, runs = prefix + "carry", prefix + "carry:copy", prefix + "carry:runs"
+    holder = Lock(r, name, timeout=10)
+    assert holder.acquire()
+    other = clients()
+    waiter = Lock(other, name, timeout=10)
+
+    def take_and_read() -> bytes | None:
+        assert waiter.acquire(blocking_timeout=10)
+        try:
+            return other.get(copy)
+        finally:
+            waiter.release()
+
+    thread, outcome = run_in_thread(take_and_read)
+    deadline = time.monotonic() + 5
+    while r.llen(holder.queue_name) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert r.llen(holder.queue_name) == 1
+
+    # When the holder releases with the copy to make
+    holder.release(after=(_COPY, [copy, runs], ["level-7"]))
+    thread.join(10)
+
+    # Then the waiter got the lock by hand-over and found the copy made
+    assert outcome.get("result") == b"level-7", outcome
+    assert int(r.get(runs)) == 1
+
+
+def test_a_release_refused_still_carries_its_script() -> None:
+    # Given, on a Redis of this test's own (its command counts are this test's alone), a lock
+    # object whose lock expired and went to another owner
+    with RedisServer() as server:
+        r = server.client()
+        name, copy, runs = "late", "late:copy", "late:runs"
+        late = Lock(r, name, timeout=10)
+        late.local.token = b"an-expired-token"
+        owner = Lock(r, name, timeout=10)
+        assert owner.acquire()
+        r.config_resetstat()
+
+        # When it releases with a copy to make
+        with pytest.raises(LockNotOwnedError):
+            late.release(after=(_COPY, [copy, runs], ["level-3"]))
+
+        # Then the copy was made (copies are guarded by their own script, not by the lock),
+        # in the same script call as the release (and the script's load, the first time)
+        assert r.get(copy) == b"level-3" and int(r.get(runs)) == 1
+        stats = r.info("commandstats")
+        assert (
+            stats["cmdstat_evalsha"]["calls"] - stats["cmdstat_evalsha"].get("failed_calls", 0) == 1
+        )
+        # and the new owner keeps the lock
+        assert owner.owned()
+        owner.release()
+        r.close()
+
+
+def test_a_reentrant_release_still_held_sends_its_script_alone(r: redis.Redis, prefix: str) -> None:
+    name, copy, runs = prefix + "again", prefix + "again:copy", prefix + "again:runs"
+    outer = Lock(r, name, timeout=10, reentrant=True)
+    assert outer.acquire()
+    inner = Lock(r, name, timeout=10, reentrant=True)  # the same holder taking it again
+    assert inner.acquire(blocking=False)
+
+    inner.release(after=(_COPY, [copy, runs], ["inner"]))
+    assert r.get(copy) == b"inner" and r.exists(name) == 1  # still held by the outer acquire
+
+    outer.release(after=(_COPY, [copy, runs], ["outer"]))
+    assert r.get(copy) == b"outer" and r.exists(name) == 0 and int(r.get(runs)) == 2
