@@ -138,26 +138,39 @@ def notes(runs: Sequence[SaleRun]) -> list[str]:
 
 def table(runs: Sequence[SaleRun]) -> str:
     """The comparison as fixed-width text."""
-    rows = [[label for _, label in COLUMNS]] + [
-        [cell(run, key) for key, _ in COLUMNS] for run in runs
-    ]
-    widths = [max(len(row[index]) for row in rows) for index in range(len(COLUMNS))]
-    lines = []
-    for number, row in enumerate(rows):
-        lines.append(
-            "  ".join(
-                value.ljust(width) if index == 0 else value.rjust(width)
-                for index, (value, width) in enumerate(zip(row, widths, strict=True))
-            )
-        )
-        if number == 0:
-            lines.append("-" * len(lines[0]))
+    rows = [[cell(run, key) for key, _ in COLUMNS] for run in runs]
+    lines = _fixed_width([label for _, label in COLUMNS], rows)
     lines += [f"* {note}" for note in notes(runs)]
     return "\n".join(lines)
 
 
+def _fixed_width(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A header, a rule and the rows, each column as wide as its widest cell: the first left
+    aligned, the others right aligned."""
+    everything = [header, *rows]
+    widths = [max(len(row[index]) for row in everything) for index in range(len(header))]
+    lines = [
+        "  ".join(
+            value.ljust(width) if index == 0 else value.rjust(width)
+            for index, (value, width) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in everything
+    ]
+    lines.insert(1, "-" * len(lines[0]))
+    return lines
+
+
+def _html_table(header: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th scope='col'>{html.escape(label)}</th>" for label in header)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(value)}</td>" for value in row) + "</tr>"
+        for row in rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
 #: The CPU table's columns: the parts of `loadtest.cpu`, all of them, and how busy the host was.
-CPU_COLUMNS = [*PARTS, "all", "host busy"]
+CPU_HEADER = ["cpu ms per unit", *PARTS, "all", "host busy"]
 CPU_LEGEND = (
     "CPU per unit sold over the window, in ms (the baseline: per request once the crowd is in), "
     "by part of the system on this host: server (gunicorn), writer (the sale writer), worker "
@@ -180,20 +193,15 @@ def cpu_cells(run: SaleRun) -> list[str] | None:
 
 def cpu_table(runs: Sequence[SaleRun]) -> str:
     """Where each run's CPU went, per unit sold, as fixed-width text ("" if none was measured)."""
-    rows = [[run.strategy, *cells] for run in runs if (cells := cpu_cells(run)) is not None]
+    rows = cpu_rows(runs)
     if not rows:
         return ""
-    rows.insert(0, ["cpu ms per unit", *CPU_COLUMNS])
-    widths = [max(len(row[index]) for row in rows) for index in range(len(rows[0]))]
-    lines = [
-        "  ".join(
-            value.ljust(width) if index == 0 else value.rjust(width)
-            for index, (value, width) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in rows
-    ]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join([*lines, CPU_LEGEND])
+    return "\n".join([*_fixed_width(CPU_HEADER, rows), CPU_LEGEND])
+
+
+def cpu_rows(runs: Sequence[SaleRun]) -> list[list[str]]:
+    """The CPU table's rows (under CPU_HEADER): the runs that measured it."""
+    return [[run.strategy, *cells] for run in runs if (cells := cpu_cells(run)) is not None]
 
 
 def stranded(run: SaleRun) -> bool:
@@ -294,27 +302,12 @@ def render_html(runs: Sequence[SaleRun]) -> str:
         for key, value in first.parameters.items()
         if key != "probe" and value is not None
     )
-    head = "".join(f"<th scope='col'>{html.escape(label)}</th>" for _, label in COLUMNS)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(cell(run, key))}</td>" for key, _ in COLUMNS) + "</tr>"
-        for run in runs
+    comparison = _html_table(
+        [label for _, label in COLUMNS], [[cell(run, key) for key, _ in COLUMNS] for run in runs]
     )
     remarks = "".join(f"<li>{html.escape(note)}</li>" for note in notes(runs))
-    cpu_rows = [(run.strategy, cells) for run in runs if (cells := cpu_cells(run)) is not None]
-    cpu = ""
-    if cpu_rows:
-        cpu_head = "".join(
-            f"<th scope='col'>{html.escape(label)}</th>"
-            for label in ["cpu ms per unit", *CPU_COLUMNS]
-        )
-        cpu_body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(value)}</td>" for value in [name, *cells]) + "</tr>"
-            for name, cells in cpu_rows
-        )
-        cpu = (
-            f"<table><thead><tr>{cpu_head}</tr></thead><tbody>{cpu_body}</tbody></table>"
-            f"<p>{html.escape(CPU_LEGEND)}</p>"
-        )
+    rows = cpu_rows(runs)
+    cpu = f"{_html_table(CPU_HEADER, rows)}<p>{html.escape(CPU_LEGEND)}</p>" if rows else ""
     figures = charts([(run.strategy, run) for run in runs])
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
@@ -329,7 +322,7 @@ figure {{ margin: 0; }} figcaption {{ font-weight: 600; margin-bottom: .3rem; }}
 <h1>{html.escape(title)}</h1>
 <p>{html.escape(parameters)}.</p>
 <p>{LEGEND}</p>
-<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>
+{comparison}
 <ul>{remarks}</ul>
 {cpu}
 <div class="charts">{"".join(figures)}</div>

@@ -19,7 +19,7 @@ from inventory.exceptions import InvalidRequest
 from inventory.strategies import strategy_names
 from loadtest.models import SaleRun
 
-from .report import COLUMNS, CPU_COLUMNS, CPU_LEGEND, LEGEND, cell, charts, cpu_cells, notes
+from .report import COLUMNS, CPU_HEADER, CPU_LEGEND, LEGEND, cell, charts, cpu_rows, notes
 from .runs import BASELINE, LoadRunSettings, new_batch_id
 
 RECENT_RUNS = 60
@@ -150,10 +150,8 @@ def compare(request: HttpRequest) -> HttpResponse:
         "charts": charts([(_label(run, runs), run) for run in runs]) if runs else [],
         "notes": notes(runs),
         "legend": LEGEND,
-        "cpu_rows": [
-            [run.strategy, *cells] for run in runs if (cells := cpu_cells(run)) is not None
-        ],
-        "cpu_headers": CPU_COLUMNS,
+        "cpu_rows": cpu_rows(runs),
+        "cpu_headers": CPU_HEADER,
         "cpu_legend": CPU_LEGEND,
         "candidates": candidates[:RECENT_RUNS],
         "chosen": {run.pk for run in runs},

@@ -179,7 +179,7 @@ def release_quietly(lock: Lock, *, after: tuple[str, list[Any], list[Any]] | Non
         metrics.LOCK_HOLD.labels(_lock_strategy.get(lock, "none")).observe(hold)
     try:
         if after is None:
-            lock.release()
+            lock.release()  # (a peer's lock, in the benchmark, takes no `after`)
         else:
             lock.release(after=after)
     except LockNotOwnedError:
