@@ -1,4 +1,4 @@
-"""`manage.py bench strategies|locks|settle|waiters [ARGS...]`: the benchmarks without HTTP
+"""`manage.py bench strategies|locks|settle|waiters|calls [ARGS...]`: the benchmarks without HTTP
 (`make bench`).
 
 `bench strategies` is `python -m loadtest.bench_strategies` (every strategy, the peer locks
@@ -6,7 +6,9 @@ and the ceilings, in the load-run sandbox); `bench locks` is `python -m loadtest
 (our lock and the peers' with no database); `bench settle` is the order pipeline
 (`loadtest.bench.settle`: what workers settle against what a flood accepts); `bench waiters`
 is `python -m loadtest.bench_waiters` (a thousand lock waiters in one process: connections and
-hand-overs, with and without the wake hub). ARGS go to them
+hand-overs, with and without the wake hub); `bench calls` is `loadtest.bench.calls` (the CPU a
+sale spends in redis-py's command layers: the scripts called through redis-py's `Script` and
+straight down a pooled connection, side by side). ARGS go to them
 as they are: `bench strategies --help` lists them.
 """
 
@@ -23,6 +25,7 @@ BENCHMARKS = {
     "locks": "loadtest.bench_locks",
     "settle": "loadtest.bench.settle",
     "waiters": "loadtest.bench_waiters",
+    "calls": "loadtest.bench.calls",
 }
 
 
@@ -30,7 +33,8 @@ class Command(BaseCommand):
     help = (
         "Run a benchmark without HTTP: `bench strategies` (every strategy against the peers "
         "and the ceilings), `bench locks` (the locks alone), `bench settle` (the order "
-        "workers against a flood) or `bench waiters` (lock waiters and connections); the "
+        "workers against a flood), `bench waiters` (lock waiters and connections) or `bench "
+        "calls` (a sale's script calls through redis-py's layers and without them); the "
         "arguments after it go to the benchmark "
         "(`bench strategies --help`)."
     )
