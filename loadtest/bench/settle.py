@@ -194,11 +194,7 @@ def _pending_again(sale_id: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    problem = setup_django()
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
-    problem = sandboxed("loadtest.bench.settle", argv)
+    problem = setup_django() or sandboxed("loadtest.bench.settle", argv)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
