@@ -19,6 +19,7 @@ from shop.processes.servers import PROJECT_DIR as ROOT
 from tests.conftest import server_env
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_sized_sale_sells_through_its_window_then_sells_out(tmp_path):
     # Given a safe strategy and unsafe, each sale sized by its own probe for a 2 s window (with

@@ -26,6 +26,7 @@ from tests.conftest import TEST_API_TOKEN, server_env, test_database_url
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
+@pytest.mark.slow
 def test_a_short_load_run_records_audits_and_reports_every_strategy(tmp_path):
     # Given every strategy, a small stock and a crowd that outnumbers it
     command = [
@@ -114,6 +115,7 @@ def test_the_locust_audit_passes_a_safe_run(shop_server):
     assert '"oversold": 0' in result.stderr
 
 
+@pytest.mark.slow
 def test_a_distributed_load_run_uses_several_locust_processes(tmp_path):
     command = [
         sys.executable, "manage.py", "loadtest", "--strategies", "lua",

@@ -271,6 +271,7 @@ def test_waiters_get_the_lock_in_the_order_they_queued(
 # -- giving up while a release hands the lock over -------------------------------------
 
 
+@pytest.mark.slow
 @WAKES
 @pytest.mark.parametrize("lock_cls", [CountingLock, SlowToGiveUp], ids=["as-is", "slow-to-give-up"])
 def test_a_waiter_that_gives_up_never_keeps_the_lock(

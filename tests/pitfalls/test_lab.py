@@ -25,6 +25,7 @@ RUNS = 3
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
+@pytest.mark.slow
 def test_every_scenario_shows_the_damage_naively_and_none_the_shop_s_way_run_after_run():
     verdicts = []
     for _ in range(RUNS):
