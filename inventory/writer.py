@@ -2,13 +2,19 @@
 
 With FLASHSALE_SALE_WRITER naming a unix socket, a `lua` checkout sends its sale to the writer
 (`python manage.py sale writer`) and waits for one answer, instead of calling Redis and then the
-database itself. The writer's one thread loops: it reads every request that has arrived, takes
-their units in one script (the same check-and-DECRBY a direct checkout runs, per request), writes
-the sales that got units in one statement and one commit (`inventory.stock.sell_batch`: each
-sale keeps its own guards), answers each buyer once its order row is committed, and hands the
-batch's orders to the order workers (`orders.orders_placed`: the buyers' processes publish
-none). Whatever arrives while it takes and writes is the next batch: the busier the sale, the
-larger the batch.
+database itself. The writer's one thread takes the units of the requests that have arrived in
+one script (the same check-and-DECRBY a direct checkout runs, per request), writes the sales
+that got units in one statement and one commit (`inventory.stock.sell_batch`'s: each sale keeps
+its own guards), answers each buyer once its order row is committed, and hands the batch's
+orders to the order workers (`orders.orders_placed`: the buyers' processes publish none).
+
+The statement is sent without waiting for it (`stock.BatchInFlight`): while PostgreSQL writes
+and commits one batch, the writer reads, takes and holds the next, and sends it as soon as the
+first is answered, so the database connection is never idle while sales wait and the take is
+off the path a sale waits on. It takes a batch once every buyer its last answer reached has
+sent again (they come back a few hundred microseconds apart, each with its own work to do
+first), or FLASHSALE_SALE_WRITER_LINGER_US after the first of them did: buyers answered together
+stay together, so the batches stay as large as the buyers allow.
 One thread, because a second one only moved the batch between threads: with a taker and a
 committer the writer spent half as much CPU again per sale, in their hand-over and their turns
 at the interpreter lock, and sold no faster (docs/design.md).
@@ -27,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import selectors
 import socket
 import stat
@@ -167,10 +174,22 @@ def sale_request(
 
 
 @dataclass(eq=False)
+class _Group:
+    """The buyers one batch answered, whom the next take waits for (the linger)."""
+
+    #: Those answered that have not sent again yet.
+    waiting: set[_Connection] = field(default_factory=set)
+    #: When the first of them sent again (monotonic); None before.
+    first_back: float | None = None
+
+
+@dataclass(eq=False)
 class _Connection:
     sock: socket.socket
     buffer: bytearray = field(default_factory=bytearray)
     closed: bool = False
+    #: The batch that answered this buyer last (None before its first answer).
+    group: _Group | None = None
 
 
 @dataclass
@@ -180,7 +199,7 @@ class _Sale:
 
 
 class SaleWriter:
-    """Serves buyers on a unix socket until `stop()`."""
+    """Serves buyers on a unix socket until `stop()`; then answers what it has taken."""
 
     def __init__(self, path: str, *, batch: int | None = None) -> None:
         self.path = path
@@ -189,18 +208,25 @@ class SaleWriter:
         self.batches = 0
         #: Orders handed to the order workers (`_hand_over`).
         self.handed = 0
-        #: Wall and CPU seconds spent taking (the scripts) and committing (the statements).
+        #: Wall and CPU seconds spent taking (the scripts) and committing: from a statement's
+        #: sending to its answer (wall), and the writer's own part of that (CPU).
         self.take_seconds = self.take_cpu = 0.0
         self.commit_seconds = self.commit_cpu = 0.0
         #: The PostgreSQL backend of the writer's connection.
         self.backend_pid: int | None = None
         #: How long to wait for the buyers of the last batch (FLASHSALE_SALE_WRITER_LINGER_US).
         self.linger = settings.FLASHSALE_SALE_WRITER_LINGER_US / 1_000_000
-        #: The buyers the last batch answered, whom the next one waits for.
-        self._answered: set[_Connection] = set()
         self._selector = selectors.DefaultSelector()
         self._stopping = threading.Event()
         self._counter = StockCounter(get_redis_client())
+        #: The buyers' open connections.
+        self._connections: set[_Connection] = set()
+        #: Requests read and not taken yet, in arrival order.
+        self._pending: list[tuple[_Connection, dict[str, Any]]] = []
+        #: Sales taken (their units are out of Redis) and not sent yet.
+        self._taken: list[_Sale] = []
+        #: The batch whose statement is in flight, and when it was sent.
+        self._writing: tuple[stock.BatchInFlight, list[_Sale], float] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -214,11 +240,13 @@ class SaleWriter:
             if ready is not None:
                 ready()
             while not self._stopping.is_set():
-                arrived = self._gather(listener)
-                for start in range(0, len(arrived), self.batch):
-                    self._sell(arrived[start : start + self.batch])
-                self._answered = {conn for conn, _ in arrived}
+                self._turn(listener)
+            self._drain()
         finally:
+            # Buyers still connected find the connection closed: they sell the direct way
+            # until a writer listens again.
+            for conn in list(self._connections):
+                self._close(conn)
             self._selector.close()
             listener.close()
             connection.close()
@@ -230,34 +258,63 @@ class SaleWriter:
     def stop(self) -> None:
         self._stopping.set()
 
-    def _gather(self, listener: socket.socket) -> list[tuple[_Connection, dict[str, Any]]]:
-        """The next batch: every request that has arrived; and when the last batch answered
-        several buyers, what they send within the linger, until each of them has sent again.
+    def _turn(self, listener: socket.socket) -> None:
+        """Wait for something to do (a request, a connection, the statement's answer, the end
+        of a linger), then do what is due: answer the batch whose statement is over (sending
+        the next one first), take the requests whose turn it is, send what was taken."""
+        for key, _ in self._selector.select(timeout=self._timeout()):
+            if key.fileobj is listener:
+                self._accept(listener)
+            elif key.data is not None:
+                self._pending += self._read(key.data)
+        if self._writing is not None:
+            self._poll()
+        if self._pending and self._due():
+            self._take()
+        if self._writing is None and self._taken:
+            self._send()
 
-        Buyers answered together come back together, a few hundred microseconds apart (each
-        has its own work to do first). Without the wait the writer takes whoever is back
-        first, and the buyers settle into two half-size batches in turn, each paying a whole
-        commit; with it, one batch holds them all.
-        """
-        arrived: list[tuple[_Connection, dict[str, Any]]] = []
-        timeout = 0.5
-        deadline = None
-        while True:
-            for key, _ in self._selector.select(timeout=timeout):
-                if key.fileobj is listener:
-                    self._accept(listener)
-                else:
-                    arrived += self._read(key.data)
-            if not arrived or len(self._answered) < 2 or not self.linger:
-                return arrived
-            waiting = self._answered.difference(conn for conn, _ in arrived)
-            if not waiting or all(conn.closed for conn in waiting):
-                return arrived
-            now = time.monotonic()
-            deadline = deadline or now + self.linger
-            timeout = deadline - now
-            if timeout <= 0:
-                return arrived
+    def _drain(self) -> None:
+        """On stop: answer the batch in flight, and take and write what has been read."""
+        if self._pending:
+            self._take()
+        while self._writing is not None or self._taken:
+            if self._writing is None:
+                self._send()
+                continue
+            select.select([self._writing[0].socket], [], [], 0.1)
+            self._poll()
+
+    def _timeout(self) -> float:
+        """How long the next wait may last: until the linger of a group of pending requests
+        ends, else half a second (to notice `stop()`)."""
+        if not self._pending or self._writing is None:
+            return 0.5
+        deadlines = [
+            group.first_back + self.linger
+            for group in self._pending_groups()
+            if group.waiting and group.first_back is not None
+        ]
+        if not deadlines:
+            return 0.0
+        return max(0.0, min(deadlines) - time.monotonic())
+
+    def _pending_groups(self) -> set[_Group]:
+        return {conn.group for conn, _ in self._pending if conn.group is not None}
+
+    def _due(self) -> bool:
+        """Whether to take the pending requests now: when no statement is in flight (the
+        database waits for them); else once each buyer answered with any of them has sent
+        again (or gone), or the linger since the first of them did is over."""
+        if self._writing is None or len(self._pending) >= self.batch or not self.linger:
+            return True
+        now = time.monotonic()
+        for group in self._pending_groups():
+            group.waiting = {conn for conn in group.waiting if not conn.closed}
+            back = group.first_back
+            if group.waiting and back is not None and now < back + self.linger:
+                return False
+        return True
 
     def _listen(self) -> socket.socket:
         if os.path.exists(self.path):
@@ -287,6 +344,7 @@ class SaleWriter:
         sock.setblocking(True)
         sock.settimeout(5.0)  # answers are small; a buyer that stops reading is dropped
         conn = _Connection(sock)
+        self._connections.add(conn)
         self._selector.register(sock, selectors.EVENT_READ, conn)
 
     def _close(self, conn: _Connection) -> None:
@@ -296,6 +354,8 @@ class SaleWriter:
             pass
         conn.sock.close()
         conn.closed = True
+        conn.group = None
+        self._connections.discard(conn)
 
     def _read(self, conn: _Connection) -> list[tuple[_Connection, dict[str, Any]]]:
         try:
@@ -325,6 +385,11 @@ class SaleWriter:
             if request.get("op") == "stats":
                 self._answer(conn, self.stats())
                 continue
+            group = conn.group
+            if group is not None:
+                group.waiting.discard(conn)
+                if group.first_back is None:
+                    group.first_back = time.monotonic()
             arrived.append((conn, request))
         return arrived
 
@@ -349,7 +414,10 @@ class SaleWriter:
 
     # -- a batch: its units from Redis in one script, its sales in one statement -------------
 
-    def _sell(self, arrived: list[tuple[_Connection, dict[str, Any]]]) -> None:
+    def _take(self) -> None:
+        """Take the units of every pending request in one script; those that got units wait
+        in `_taken` for their statement, the others are answered now."""
+        arrived, self._pending = self._pending, []
         takes: list[tuple[_Connection, dict[str, Any], Take]] = []
         for conn, request in arrived:
             try:
@@ -381,7 +449,6 @@ class SaleWriter:
         finally:
             self.take_seconds += time.perf_counter() - started
             self.take_cpu += time.thread_time() - cpu0
-        sales: list[_Sale] = []
         for (conn, request, _), result in zip(takes, results, strict=True):
             if isinstance(result, Claim):
                 self._answer(conn, {"o": "claimed"})
@@ -391,19 +458,39 @@ class SaleWriter:
                 self._answer(conn, {"o": "sold_out"})
             else:
                 rows = {str(index): units for index, units in result.items()}
-                sales.append(_Sale(conn, {**request["sale"], "rows": rows}))
-        if sales:
-            self._commit(sales)
+                self._taken.append(_Sale(conn, {**request["sale"], "rows": rows}))
 
-    def _commit(self, sales: list[_Sale]) -> None:
+    def _send(self) -> None:
+        """Send the statement of (up to a batch of) the taken sales, without waiting for it."""
+        sales, self._taken = self._taken[: self.batch], self._taken[self.batch :]
         # Batches lock rows in one order (lowest first), so that two writers on one database
         # do not deadlock.
         sales.sort(key=lambda sale: min(map(int, sale.request["rows"])))
-        requests = [sale.request for sale in sales]
         started = time.perf_counter()
         cpu0 = time.thread_time()
         try:
-            answers = stock.sell_batch(requests)
+            batch = stock.BatchInFlight([sale.request for sale in sales])
+        except Exception:
+            logger.exception("sale writer: a batch of %d sales could not be sent", len(sales))
+            self._reset_connection()
+            self._answer_batch(sales, [{"o": "failed"}] * len(sales))
+            return
+        finally:
+            self.commit_cpu += time.thread_time() - cpu0
+        self.backend_pid = batch.backend_pid  # a new one after a lost connection
+        self._selector.register(batch.socket, selectors.EVENT_READ, None)
+        self._writing = (batch, sales, started)
+
+    def _poll(self) -> None:
+        """Read the statement's answer; once it is over, send the next batch, then answer
+        this one's buyers."""
+        assert self._writing is not None
+        batch, sales, started = self._writing
+        cpu0 = time.thread_time()
+        try:
+            if not batch.poll():
+                return
+            answers = batch.answers()
         except stock.RowLockTimeout:
             answers = [{"o": "locked"}] * len(sales)
         except Exception:
@@ -411,20 +498,44 @@ class SaleWriter:
             # busy, and a retry with the idempotency key finds what was written.
             logger.exception("sale writer: a batch of %d sales failed", len(sales))
             answers = [{"o": "failed"}] * len(sales)
-            close_old_connections()
-            if connection.connection is not None and not connection.is_usable():
-                connection.close()
+            self._unregister(batch.socket)
+            self._reset_connection()
+        finally:
+            self.commit_cpu += time.thread_time() - cpu0
         self.commit_seconds += time.perf_counter() - started
+        self._writing = None
+        self._unregister(batch.socket)
+        if self._taken:
+            self._send()  # the database's turn again before the buyers' (they can wait)
+        cpu0 = time.thread_time()
+        self._answer_batch(sales, answers)
         self.commit_cpu += time.thread_time() - cpu0
+
+    def _answer_batch(self, sales: list[_Sale], answers: list[dict[str, Any]]) -> None:
         self.batches += 1
+        group = _Group()
         sold = [answer["id"] for answer in answers if answer["o"] == "sold"]
         self.sales += len(sold)
         for sale, answer in zip(sales, answers, strict=True):
             if answer["o"] == "sold":
                 answer = {**answer, "handed": True}
             self._answer(sale.conn, {**answer, "rows": sale.request["rows"]})
+            if not sale.conn.closed:
+                sale.conn.group = group
+                group.waiting.add(sale.conn)
         if sold:
             self._hand_over(sold)
+
+    def _unregister(self, fd: int) -> None:
+        try:
+            self._selector.unregister(fd)
+        except (KeyError, ValueError):
+            pass
+
+    def _reset_connection(self) -> None:
+        close_old_connections()
+        if connection.connection is not None and not connection.is_usable():
+            connection.close()
 
     def _hand_over(self, order_pks: list[int]) -> None:
         """The batch's orders, committed, to the order workers (`orders.orders_placed`): one

@@ -10,10 +10,11 @@ import uuid
 import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 
 from inventory import keys, stock
 from inventory.exceptions import Busy
-from inventory.models import BuyerAllowance, Item, Order
+from inventory.models import BuyerAllowance, Item, Order, Sale, StockShard
 from inventory.selectors import audit_sale
 from inventory.services import place_order, start_sale
 from inventory.strategies import plumbing
@@ -145,6 +146,68 @@ def test_a_batch_nobody_refuses_is_written_by_one_set_based_statement():
         BuyerAllowance.objects.filter(sale=item.current_sale).values_list("buyer", "units")
     )
     assert allowances == {"ann": 3, "bob": 1}
+
+
+@pytest.mark.parametrize("planner", ["default", "enable_nestloop = off"])
+def test_the_batch_statement_reads_only_its_own_sales_stock_rows(planner):
+    # Given a lua sale beside 400 earlier sales' stock rows (4,000 rows, every one kept as
+    # history)
+    start_sale(sku="plan", stock=40, strategy="lua")
+    item = Item.objects.get(sku="plan")
+    earlier = Sale.objects.bulk_create(
+        Sale(item=item, initial_stock=10, strategy="lua", opens_at=timezone.now())
+        for _ in range(400)
+    )
+    StockShard.objects.bulk_create(
+        StockShard(item=item, sale=sale, index=index, stock=1, supplied=1)
+        for sale in earlier
+        for index in range(10)
+    )
+
+    # When a batch is written, and the plan PostgreSQL keeps for the statement (the generic
+    # plan of a prepared statement, made without the values) is explained, by the default
+    # planner and by one that would rather hash than loop over an index
+    settings = ["plan_cache_mode = force_generic_plan"]
+    if planner != "default":
+        settings.append(planner)
+    with connection.cursor() as cursor:
+        for setting in settings:
+            cursor.execute(f"SET {setting}")
+    try:
+        answers = stock.sell_batch(
+            [_request(item, rows={"0": 1}), _request(item, buyer="bob", rows={"5": 1})]
+        )
+        assert [answer["o"] for answer in answers] == ["sold", "sold"]
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT name, parameter_types::text[] FROM pg_prepared_statements"
+                " WHERE statement LIKE %s",
+                ["%jsonb_to_recordset%"],
+            )
+            ((name, types),) = cursor.fetchall()
+            nulls = ", ".join(f"NULL::{parameter_type}" for parameter_type in types)
+            cursor.execute(f"EXPLAIN (FORMAT JSON) EXECUTE {name}({nulls})")
+            plan = cursor.fetchone()[0]
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("RESET ALL")
+
+    # Then every read of the stock-row table goes through an index to the rows it names:
+    # none reads the other sales' rows
+    scans = _scans(plan[0]["Plan"], "inventory_stockshard")
+    assert scans, plan
+    for kind, condition in scans:
+        assert kind in ("Index Scan", "Bitmap Heap Scan") and condition, scans
+
+
+def _scans(node: dict, table: str) -> list[tuple[str, str | None]]:
+    """Each scan of `table` anywhere in a plan: its kind and the condition its index applies."""
+    found = []
+    if node.get("Relation Name") == table and node["Node Type"] != "ModifyTable":
+        found.append((node["Node Type"], node.get("Index Cond") or node.get("Recheck Cond")))
+    for child in node.get("Plans", []):
+        found += _scans(child, table)
+    return found
 
 
 def test_a_refused_request_sends_the_batch_a_request_at_a_time_and_nothing_twice():

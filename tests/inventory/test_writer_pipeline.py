@@ -1,0 +1,148 @@
+"""The sale writer keeps one batch's statement in flight while it takes the next: a buyer is
+answered only once its order row is committed, a writer stopped mid-statement answers before it
+exits, and a connection lost mid-statement costs its batch a `busy`, not the writer its life."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+import pytest
+from django.db import connection
+
+from inventory.exceptions import Busy
+from inventory.models import Item, Order
+from inventory.selectors import audit_sale
+from inventory.services import place_order, start_sale
+from inventory.strategies import plumbing
+from tests.conftest import test_database_url, wait_until
+from tests.conftest import writer_in_thread as serving
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@contextmanager
+def stock_rows_locked(item: Item) -> Iterator[None]:
+    """Hold every stock row of item's sale locked from another connection: a statement that
+    must write one waits until the block ends."""
+    with psycopg.connect(test_database_url().replace("postgres://", "postgresql://", 1)) as other:
+        other.execute(
+            "SELECT id FROM inventory_stockshard WHERE sale_id = %s FOR UPDATE",
+            [item.current_sale_id],
+        )
+        yield
+        other.rollback()
+
+
+class Checkout(threading.Thread):
+    """One checkout in a thread of its own; afterwards `outcome` holds the order or the error,
+    and `committed` whether its order row could be read at once by another connection."""
+
+    def __init__(self, sku: str, buyer: str) -> None:
+        super().__init__()
+        self.sku, self.buyer = sku, buyer
+        self.outcome: Any = None
+        self.committed: bool | None = None
+
+    def run(self) -> None:
+        try:
+            order = place_order(sku=self.sku, qty=1, buyer=self.buyer).order
+            self.outcome = order
+            # This thread's own connection sees only what was committed.
+            self.committed = Order.objects.filter(public_id=order.public_id).exists()
+        except Exception as error:  # noqa: BLE001 - the outcome is what is checked
+            self.outcome = error
+        finally:
+            connection.close()
+
+
+def test_the_writer_takes_the_next_batch_while_a_statement_is_in_flight(settings):
+    settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS = 20_000
+    with serving() as writer:
+        settings.FLASHSALE_SALE_WRITER = writer.path
+        start_sale(sku="widget", stock=10, strategy="lua")
+        item = Item.objects.get(sku="widget")
+        with stock_rows_locked(item):
+            # Given a checkout whose statement waits on the stock rows
+            first = Checkout("widget", "ann")
+            first.start()
+            assert wait_until(lambda: plumbing.rows_total(item) == 9, timeout=10)
+
+            # When a second buyer checks out while the first statement is in flight
+            second = Checkout("widget", "bob")
+            second.start()
+
+            # Then the writer takes its units at once, and answers neither buyer yet
+            assert wait_until(lambda: plumbing.rows_total(item) == 8, timeout=10)
+            assert first.is_alive() and second.is_alive()
+            assert writer.sales == 0 and Order.objects.count() == 0
+        first.join(20)
+        second.join(20)
+
+    # and once the rows are free, both are sold, each answered with its order committed
+    for checkout in (first, second):
+        assert isinstance(checkout.outcome, Order), checkout.outcome
+        assert checkout.committed is True
+    assert writer.sales == 2 and writer.batches == 2
+    audit = audit_sale("widget")
+    assert audit["accepted_units"] == 2 and audit["db_stock"] == audit["redis_stock"] == 8, audit
+    assert audit["consistent"], audit
+
+
+def test_a_writer_stopped_with_a_statement_in_flight_answers_it_before_it_exits(settings):
+    settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS = 20_000
+    start_sale(sku="widget", stock=10, strategy="lua")
+    item = Item.objects.get(sku="widget")
+    with serving() as writer:
+        settings.FLASHSALE_SALE_WRITER = writer.path
+        with stock_rows_locked(item):
+            # Given a checkout whose statement is in flight
+            checkout = Checkout("widget", "ann")
+            checkout.start()
+            assert wait_until(lambda: plumbing.rows_total(item) == 9, timeout=10)
+
+            # When the writer is told to stop
+            writer.stop()
+            checkout.join(0.5)
+            # Then it waits for the statement rather than leaving the buyer without an answer
+            assert checkout.is_alive()
+        checkout.join(20)
+
+    assert isinstance(checkout.outcome, Order), checkout.outcome
+    assert checkout.committed is True and writer.sales == 1
+    audit = audit_sale("widget")
+    assert audit["db_stock"] == audit["redis_stock"] == 9 and audit["consistent"], audit
+
+
+def test_a_connection_lost_mid_statement_answers_busy_and_the_writer_goes_on(settings):
+    settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS = 20_000
+    start_sale(sku="widget", stock=10, strategy="lua")
+    item = Item.objects.get(sku="widget")
+    with serving() as writer:
+        settings.FLASHSALE_SALE_WRITER = writer.path
+        place_order(sku="widget", qty=1, buyer="ann")
+        with stock_rows_locked(item):
+            # Given a checkout whose statement is in flight
+            checkout = Checkout("widget", "bob")
+            checkout.start()
+            assert wait_until(lambda: plumbing.rows_total(item) == 8, timeout=10)
+
+            # When the writer's database connection is cut under it
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_terminate_backend(%s)", [writer.backend_pid])
+            checkout.join(20)
+
+        # Then that buyer is told busy (the statement may or may not have committed)
+        assert isinstance(checkout.outcome, Busy), checkout.outcome
+        # and the next checkout is written on a new connection
+        cat = place_order(sku="widget", qty=1, buyer="cat").order
+        assert Order.objects.filter(pk=cat.pk).exists()
+        assert writer.sales == 2
+
+    # The cut statement was rolled back: Redis is short of its unit until reconciled
+    audit = audit_sale("widget")
+    assert audit["accepted_units"] == 2 and audit["db_stock"] == 8, audit
+    assert audit["oversold"] == 0 and audit["redis_stock"] == 7, audit
