@@ -467,7 +467,7 @@ class BatchInFlight:
         self.at = timezone.now()
         self._wait = _row_lock_wait()
         self._results: list[psycopg.pq.abc.PGresult] = []
-        wrapper = connections[DEFAULT_DB_ALIAS]
+        self._wrapper = wrapper = connections[DEFAULT_DB_ALIAS]
         wrapper.close_if_health_check_failed()
         wrapper.ensure_connection()
         if wrapper.in_atomic_block:
@@ -494,7 +494,7 @@ class BatchInFlight:
         """Read what the server has sent; True once the statement is over (committed, or
         failed and rolled back). Never blocks. Raises DatabaseError when the connection
         fails (the statement may or may not have committed)."""
-        with connections[DEFAULT_DB_ALIAS].wrap_database_errors:
+        with self._wrapper.wrap_database_errors:
             self._pgconn.consume_input()
             while not self._pgconn.is_busy():
                 result = self._pgconn.get_result()

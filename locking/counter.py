@@ -164,14 +164,29 @@ class StockCounter:
                     for (position, _), result in zip(group, done, strict=True):
                         merged[position] = result
                 return merged
-        keys: list[str] = []
-        args: list[int | str] = []
-        for take in takes:
-            claim_keys, claim_argv = claim_args(take.claim)
-            keys += [take.cursor, *take.counters, *claim_keys]
-            args += [len(take.counters), _positive_qty(take.qty), *(claim_argv or ["", ""])]
         if not takes:
             return []
+        # Takes from the same counters send them once (a batch of one sale's checkouts).
+        keys: list[str] = []
+        sizes: list[int] = []
+        group_of: dict[tuple[str, tuple[str, ...]], int] = {}
+        claim_keys: list[str] = []
+        per_take: list[int | str] = []
+        for take in takes:
+            counters = tuple(take.counters)
+            group = group_of.get((take.cursor, counters))
+            if group is None:
+                group = group_of[take.cursor, counters] = len(sizes) + 1
+                keys.append(take.cursor)
+                keys += counters
+                sizes.append(len(counters))
+            if take.claim is None:
+                per_take += [group, take.qty, "", ""]
+            else:
+                claim_keys.append(take.claim.key)
+                per_take += [group, take.qty, take.claim.ttl_ms, take.claim.token]
+        keys += claim_keys
+        args: list[int | str] = [len(sizes), *sizes, *per_take]
         reply = self._take_spread_many(keys=keys, args=args, client=self.redis)
         results: list[dict[int, int] | None | Claim] = []
         position = 0

@@ -331,40 +331,51 @@ return claim(KEYS[#KEYS], ttl, ARGV[3], take_spread(KEYS[1], 2, last, tonumber(A
 """
 )
 
-# Many takes of STOCK_TAKE_SPREAD in one script, in order, each as if run alone.
-# KEYS, per take: its cursor, its n stock counters, and (with a claim) its idempotency claim.
-# ARGV, four per take: n, the quantity, and the claim's TTL in ms and the taker's token (both ""
-# without a claim).
+# Many takes of STOCK_TAKE_SPREAD in one script, in order, each as if run alone. Takes from the
+# same counters (one sale's: the usual batch) name their cursor and counters once, as a group.
+# KEYS: per group, its cursor and then its n stock counters; after the groups, the idempotency
+# claim of each take that has one, in the order of the takes.
+# ARGV[1] the number of groups g, ARGV[2..g+1] each group's n; then, four per take: its group
+# (from 1), the quantity, and the claim's TTL in ms and the taker's token (both "" without a
+# claim).
 # Returns, per take, the length of its reply and then the reply STOCK_TAKE_SPREAD gives.
 STOCK_TAKE_SPREAD_MANY = (
     _TAKE_SPREAD_FUNCTION
     + """
-local out = {}
+local groups = tonumber(ARGV[1])
+local cursors, lasts = {}, {}
 local k = 1
-for r = 0, #ARGV / 4 - 1 do
-    local n = tonumber(ARGV[4 * r + 1])
-    local qty = tonumber(ARGV[4 * r + 2])
-    local ttl = ARGV[4 * r + 3]
+for g = 1, groups do
+    cursors[g] = k
+    lasts[g] = k + tonumber(ARGV[1 + g])
+    k = lasts[g] + 1
+end
+local out = {}
+for a = groups + 2, #ARGV, 4 do
+    local g = tonumber(ARGV[a])
+    local qty = tonumber(ARGV[a + 1])
+    local ttl = ARGV[a + 2]
+    local claim_key
     if ttl == '' then
         ttl = nil
+    else
+        claim_key = KEYS[k]
+        k = k + 1
     end
-    local last = k + n
-    local claim_key = ttl and KEYS[last + 1]
     local reply
     if claimed(claim_key, ttl) then
         reply = {-3}
     else
-        reply = take_spread(KEYS[k], k + 1, last, qty)
+        reply = take_spread(KEYS[cursors[g]], cursors[g] + 1, lasts[g], qty)
         if reply.err then
             return reply
         end
-        reply = claim(claim_key, ttl, ARGV[4 * r + 4], reply)
+        reply = claim(claim_key, ttl, ARGV[a + 3], reply)
     end
     out[#out + 1] = #reply
     for i = 1, #reply do
         out[#out + 1] = reply[i]
     end
-    k = last + 1 + (ttl and 1 or 0)
 end
 return out
 """
