@@ -82,6 +82,12 @@ def turn(item: Item) -> str:
     return sale_key(item, "turn")
 
 
+def sale_counters(sku: str, sale_id: int, count: int) -> tuple[str, tuple[str, ...]]:
+    """`turn` and `rows` of a `lua` sale (its rows in the sale's slot), from what names it
+    rather than from its item: the sale writer builds them for the requests it gets."""
+    return _sale_counters(settings.FLASHSALE_REDIS_PREFIX, sku, sale_id, count)
+
+
 def claim(item: Item, idempotency_key: str) -> str:
     return sale_key(item, "claim", idempotency_key)
 
@@ -129,6 +135,12 @@ def _rows(prefix: str, sku: str, sale_id: int | None, count: int, apart: bool) -
         key("item", sku, "sale", sale_id, f"{{{sku}:{sale_id}}}", "row", index)
         for index in range(count)
     )
+
+
+@lru_cache(maxsize=1024)
+def _sale_counters(prefix: str, sku: str, sale_id: int, count: int) -> tuple[str, tuple[str, ...]]:
+    cursor = key("item", sku, "sale", sale_id, f"{{{sku}:{sale_id}}}", "turn")
+    return cursor, _rows(prefix, sku, sale_id, count, False)
 
 
 @lru_cache(maxsize=1024)

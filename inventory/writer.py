@@ -49,7 +49,7 @@ from redis.exceptions import ResponseError
 
 from locking.counter import Claim, StockCounter, Take
 
-from . import stock
+from . import keys, stock
 from .redis_client import REDIS_DOWN_ERRORS, get_redis_client
 
 logger = logging.getLogger(__name__)
@@ -154,16 +154,20 @@ def client() -> WriterClient | None:
 
 def sale_request(
     *,
+    sku: str,
     cursor: str,
-    counters: list[str],
+    rows: int,
     qty: int,
     claim: Claim | None,
     sale: dict[str, Any],
 ) -> dict[str, Any]:
-    """What a buyer sends: where to take the units from, and the sale to write with them."""
+    """What a buyer sends: the sale to take the units of (`sku`, the sale's id in `sale`, its
+    `rows` stock rows: the writer names their counters itself, `keys.sale_counters`, and
+    checks that its cursor is the buyer's), and the sale to write with them."""
     return {
+        "sku": sku,
         "cursor": cursor,
-        "counters": counters,
+        "rows": rows,
         "qty": qty,
         "claim": None if claim is None else [claim.key, claim.ttl_ms, claim.token],
         "sale": sale,
@@ -421,10 +425,7 @@ class SaleWriter:
         takes: list[tuple[_Connection, dict[str, Any], Take]] = []
         for conn, request in arrived:
             try:
-                claim = None if request.get("claim") is None else Claim(*request["claim"])
-                take = Take(request["cursor"], request["counters"], request["qty"], claim)
-                if not isinstance(request["sale"], dict):
-                    raise ValueError("no sale to write")
+                take = _take_of(request)
             except (KeyError, TypeError, ValueError) as exc:
                 self._answer(conn, {"o": "invalid", "e": repr(exc)})
                 continue
@@ -549,3 +550,23 @@ class SaleWriter:
             self.handed += len(order_pks)
         except Exception:
             logger.exception("sale writer: %d orders not handed to the workers", len(order_pks))
+
+
+def _take_of(request: dict[str, Any]) -> Take:
+    """The take a request asks for. Raises KeyError, TypeError or ValueError for a request that
+    names no sale, or whose cursor is not the one this writer names for it (the buyer's
+    processes and the writer disagree on the key prefix: nothing must be taken)."""
+    sale = request["sale"]
+    if not isinstance(sale, dict):
+        raise ValueError("no sale to write")
+    sku, sale_id, rows = request["sku"], sale["sale"], request["rows"]
+    if not isinstance(sku, str) or type(sale_id) is not int or type(rows) is not int:
+        raise ValueError("a sale is named by its sku, the sale's id and its number of rows")
+    cursor, counters = keys.sale_counters(sku, sale_id, rows)
+    if request["cursor"] != cursor:
+        raise ValueError(
+            f"the buyer's counters are not this writer's ({request['cursor']!r}, not "
+            f"{cursor!r}): do they share FLASHSALE_REDIS_PREFIX?"
+        )
+    claim = None if request.get("claim") is None else Claim(*request["claim"])
+    return Take(cursor, counters, request["qty"], claim)

@@ -230,9 +230,9 @@ FLASHSALE_GROUP_COMMIT_BATCH = env.int("FLASHSALE_GROUP_COMMIT_BATCH", default=1
 # `lua` through the sale writer (`manage.py salewriter`): the unix socket it listens on; empty:
 # every web process takes and writes its own sales.
 FLASHSALE_SALE_WRITER = env.str("FLASHSALE_SALE_WRITER", default="")
-# How long the writer waits, when its last batch answered several buyers, for them to send again
-# before it takes the next batch (microseconds; 0: never waits). A batch of eight costs the
-# database little more than one of four: waiting a moment makes fewer, fuller batches.
+# How long the writer, while a batch's statement is in flight, waits for the buyers its last
+# answer reached to send again before it takes the ones back (microseconds; 0: never waits).
+# Buyers answered together stay together: fewer, fuller batches.
 FLASHSALE_SALE_WRITER_LINGER_US = env.int("FLASHSALE_SALE_WRITER_LINGER_US", default=1000)
 if not 0 <= FLASHSALE_SALE_WRITER_LINGER_US <= 100_000:
     raise ImproperlyConfigured(

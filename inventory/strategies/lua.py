@@ -203,8 +203,9 @@ class LuaStrategy(StockStrategy):
         sale_writer: writer.WriterClient,
     ) -> Order:
         request = writer.sale_request(
+            sku=item.sku,
             cursor=keys.turn(item),
-            counters=keys.rows(item),
+            rows=item.shard_count,
             qty=qty,
             claim=claim,
             sale=record.request(served_by=self.name),

@@ -213,23 +213,39 @@ def _raw(path: str, line: bytes) -> dict:
         return json.loads(sock.makefile("rb").readline())
 
 
+def _good_request(item: Item) -> dict:
+    """What a buyer sends for one unit of item's sale."""
+    return {
+        "sku": item.sku,
+        "cursor": keys.turn(item),
+        "rows": item.shard_count,
+        "qty": 1,
+        "claim": None,
+        "sale": {"item": item.pk, "sale": item.current_sale_id, "qty": 1, "buyer": "ann"},
+    }
+
+
 @pytest.mark.parametrize(
-    ("line", "why"),
+    ("line", "change", "why"),
     [
-        (b"not json\n", "Expecting value"),
-        (b"[1, 2]\n", "not an object"),
-        (b'{"qty": 1}\n', "KeyError"),
-        (b'{"cursor": "c", "counters": [], "qty": 1, "sale": {}}\n', "at least one counter"),
-        (b'{"cursor": "c", "counters": "abc", "qty": 1, "sale": {}}\n', "list of counter"),
-        (b'{"cursor": "c", "counters": ["k"], "qty": 0, "sale": {}}\n', "qty must be"),
-        (b'{"cursor": "c", "counters": ["k"], "qty": true, "sale": {}}\n', "qty must be"),
-        (b'{"cursor": "c", "counters": ["k"], "qty": 1, "sale": 3}\n', "no sale"),
+        (b"not json\n", None, "Expecting value"),
+        (b"[1, 2]\n", None, "not an object"),
+        (b'{"qty": 1}\n', None, "KeyError"),
+        (None, {"rows": 0}, "at least one counter"),
+        (None, {"rows": "10"}, "named by its sku"),
+        (None, {"sku": None}, "named by its sku"),
+        (None, {"qty": 0}, "qty must be"),
+        (None, {"qty": True}, "qty must be"),
+        (None, {"sale": 3}, "no sale"),
+        (None, {"cursor": "elsewhere:turn"}, "FLASHSALE_REDIS_PREFIX"),
     ],
 )
-def test_the_writer_refuses_bad_requests_and_takes_nothing(writer_in_thread, line, why):
+def test_the_writer_refuses_bad_requests_and_takes_nothing(writer_in_thread, line, change, why):
     start_sale(sku="widget", stock=10, strategy="lua")
     item = Item.objects.get(sku="widget")
     levels = plumbing.counter().get_many(keys.rows(item))
+    if line is None:
+        line = json.dumps({**_good_request(item), **change}).encode() + b"\n"
 
     answer = _raw(writer_in_thread.path, line)
 
