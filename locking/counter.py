@@ -174,17 +174,17 @@ class StockCounter:
         per_take: list[int | str] = []
         for take in takes:
             counters = tuple(take.counters)
-            group = group_of.get((take.cursor, counters))
-            if group is None:
-                group = group_of[take.cursor, counters] = len(sizes) + 1
+            number = group_of.get((take.cursor, counters))
+            if number is None:
+                number = group_of[take.cursor, counters] = len(sizes) + 1
                 keys.append(take.cursor)
                 keys += counters
                 sizes.append(len(counters))
             if take.claim is None:
-                per_take += [group, take.qty, "", ""]
+                per_take += [number, take.qty, "", ""]
             else:
                 claim_keys.append(take.claim.key)
-                per_take += [group, take.qty, take.claim.ttl_ms, take.claim.token]
+                per_take += [number, take.qty, take.claim.ttl_ms, take.claim.token]
         keys += claim_keys
         args: list[int | str] = [len(sizes), *sizes, *per_take]
         reply = self._take_spread_many(keys=keys, args=args, client=self.redis)
