@@ -225,8 +225,9 @@ class SaleWriter:
         self._counter = StockCounter(get_redis_client())
         #: The buyers' open connections.
         self._connections: set[_Connection] = set()
-        #: Requests read and not taken yet, in arrival order.
+        #: Requests read and not taken yet, in arrival order, and when the first arrived.
         self._pending: list[tuple[_Connection, dict[str, Any]]] = []
+        self._pending_since = 0.0
         #: Sales taken (their units are out of Redis) and not sent yet.
         self._taken: list[_Sale] = []
         #: The batch whose statement is in flight, and when it was sent.
@@ -270,6 +271,8 @@ class SaleWriter:
             if key.fileobj is listener:
                 self._accept(listener)
             elif key.data is not None:
+                if not self._pending:
+                    self._pending_since = time.monotonic()
                 self._pending += self._read(key.data)
         if self._writing is not None:
             self._poll()
@@ -291,8 +294,10 @@ class SaleWriter:
 
     def _timeout(self) -> float:
         """How long the next wait may last: until the linger of a group of pending requests
-        ends, else half a second (to notice `stop()`)."""
-        if not self._pending or self._writing is None:
+        (or of a lone request) ends, else half a second (to notice `stop()`)."""
+        if len(self._pending) == 1 and self._writing is None:
+            return max(0.0, self._pending_since + self.linger - time.monotonic())
+        if len(self._pending) < 2 or self._writing is None:
             return 0.5
         deadlines = [
             group.first_back + self.linger
@@ -308,10 +313,19 @@ class SaleWriter:
 
     def _due(self) -> bool:
         """Whether to take the pending requests now: when no statement is in flight (the
-        database waits for them); else once each buyer answered with any of them has sent
-        again (or gone), or the linger since the first of them did is over."""
-        if self._writing is None or len(self._pending) >= self.batch or not self.linger:
+        database waits for them); else, when there are several, once each buyer answered with
+        any of them has sent again (or gone), or the linger since the first of them did is
+        over. A lone request waits for the statement in flight: whatever arrives meanwhile is
+        taken with it, in one script, into one batch (one web process of many, with other
+        requests to serve in between, rarely comes back with its group)."""
+        if len(self._pending) >= self.batch or not self.linger:
             return True
+        if self._writing is None:
+            # A lone request waits a moment for company (the next checkout is often on
+            # its way); two or more go at once: the database waits.
+            return len(self._pending) > 1 or time.monotonic() >= self._pending_since + self.linger
+        if len(self._pending) < 2:
+            return False
         now = time.monotonic()
         for group in self._pending_groups():
             group.waiting = {conn for conn in group.waiting if not conn.closed}

@@ -71,24 +71,26 @@ def test_the_writer_takes_the_next_batch_while_a_statement_is_in_flight(settings
             first.start()
             assert wait_until(lambda: plumbing.rows_total(item) == 9, timeout=10)
 
-            # When a second buyer checks out while the first statement is in flight
-            second = Checkout("widget", "bob")
-            second.start()
+            # When two more buyers check out while the first statement is in flight
+            others = [Checkout("widget", "bob"), Checkout("widget", "cat")]
+            for checkout in others:
+                checkout.start()
 
-            # Then the writer takes its units at once, and answers neither buyer yet
-            assert wait_until(lambda: plumbing.rows_total(item) == 8, timeout=10)
-            assert first.is_alive() and second.is_alive()
+            # Then the writer takes their units at once, and answers nobody yet
+            assert wait_until(lambda: plumbing.rows_total(item) == 7, timeout=10)
+            assert all(checkout.is_alive() for checkout in [first, *others])
             assert writer.sales == 0 and Order.objects.count() == 0
-        first.join(20)
-        second.join(20)
+        for checkout in [first, *others]:
+            checkout.join(20)
 
-    # and once the rows are free, both are sold, each answered with its order committed
-    for checkout in (first, second):
+    # and once the rows are free, all three are sold in two batches, each buyer answered with
+    # its order committed
+    for checkout in [first, *others]:
         assert isinstance(checkout.outcome, Order), checkout.outcome
         assert checkout.committed is True
-    assert writer.sales == 2 and writer.batches == 2
+    assert writer.sales == 3 and writer.batches == 2
     audit = audit_sale("widget")
-    assert audit["accepted_units"] == 2 and audit["db_stock"] == audit["redis_stock"] == 8, audit
+    assert audit["accepted_units"] == 3 and audit["db_stock"] == audit["redis_stock"] == 7, audit
     assert audit["consistent"], audit
 
 
