@@ -9,12 +9,14 @@ its own guards), answers each buyer once its order row is committed, and hands t
 orders to the order workers (`orders.orders_placed`: the buyers' processes publish none).
 
 The statement is sent without waiting for it (`stock.BatchInFlight`): while PostgreSQL writes
-and commits one batch, the writer reads, takes and holds the next, and sends it as soon as the
-first is answered, so the database connection is never idle while sales wait and the take is
-off the path a sale waits on. It takes a batch once every buyer its last answer reached has
-sent again (they come back a few hundred microseconds apart, each with its own work to do
-first), or FLASHSALE_SALE_WRITER_LINGER_US after the first of them did: buyers answered together
-stay together, so the batches stay as large as the buyers allow.
+and commits one batch, the writer reads and takes the next, and sends it as soon as the first is
+answered, so that the take is off the path a sale waits on. With no statement in flight it takes
+what has arrived at once; with one in flight, once every buyer its last answer reached has sent
+again (they come back a few hundred microseconds apart, each with its own work to do first), or
+FLASHSALE_SALE_WRITER_LINGER_US after the first of them did: buyers answered together stay
+together, in batches as large as they allow. A lone request waits for company: for the statement
+in flight, or for the linger when there is none (a web process serving a crowd rarely comes
+back with its group: taken alone, each request would cost a script and a statement).
 One thread, because a second one only moved the batch between threads: with a taker and a
 committer the writer spent half as much CPU again per sale, in their hand-over and their turns
 at the interpreter lock, and sold no faster (docs/design.md).
