@@ -55,8 +55,11 @@ def shard_locks(item: Item) -> list[str]:
 def sale_key(item: Item, *parts: object) -> str:
     """A key of item's current sale, in the sale's slot:
     `<prefix>:item:<sku>:sale:<id>:{<sku>:<id>}:<parts...>`."""
-    sale = item.current_sale_id
-    return key("item", item.sku, "sale", sale, f"{{{item.sku}:{sale}}}", *parts)
+    return _in_sale(item.sku, item.current_sale_id, *parts)
+
+
+def _in_sale(sku: str, sale_id: int | None, *parts: object) -> str:
+    return key("item", sku, "sale", sale_id, f"{{{sku}:{sale_id}}}", *parts)
 
 
 def row(item: Item, index: int) -> str:
@@ -131,16 +134,12 @@ def _rows(prefix: str, sku: str, sale_id: int | None, count: int, apart: bool) -
             key("item", sku, "sale", sale_id, "row", _shard_tag(sku, index))
             for index in range(count)
         )
-    return tuple(
-        key("item", sku, "sale", sale_id, f"{{{sku}:{sale_id}}}", "row", index)
-        for index in range(count)
-    )
+    return tuple(_in_sale(sku, sale_id, "row", index) for index in range(count))
 
 
 @lru_cache(maxsize=1024)
 def _sale_counters(prefix: str, sku: str, sale_id: int, count: int) -> tuple[str, tuple[str, ...]]:
-    cursor = key("item", sku, "sale", sale_id, f"{{{sku}:{sale_id}}}", "turn")
-    return cursor, _rows(prefix, sku, sale_id, count, False)
+    return _in_sale(sku, sale_id, "turn"), _rows(prefix, sku, sale_id, count, False)
 
 
 @lru_cache(maxsize=1024)

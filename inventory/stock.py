@@ -290,13 +290,26 @@ def sell_batch(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
             cursor.execute(_BATCH_SQL, _batch_parameters(requests, at, wait))
             placed = dict(cursor.fetchall())
     except DatabaseError as exc:
-        sqlstate = getattr(exc.__cause__, "sqlstate", None)
-        if sqlstate == LOCK_NOT_AVAILABLE_SQLSTATE:
-            raise RowLockTimeout(str(exc.__cause__)) from None
-        if sqlstate not in _REFUSED_SQLSTATES:
+        answers = _after_refusal(
+            getattr(exc.__cause__, "sqlstate", None), str(exc.__cause__), requests, at, wait
+        )
+        if answers is None:
             raise
-        return _sell_one_by_one(requests, at, wait)
+        return answers
     return _sold(requests, placed, at)
+
+
+def _after_refusal(
+    sqlstate: str | None, message: str, requests: list[dict[str, Any]], at: datetime, wait: str
+) -> list[dict[str, Any]] | None:
+    """When the set-based statement failed with `sqlstate`: the batch written again a request
+    at a time if it was refused, RowLockTimeout if a row stayed locked, None for any other
+    error (the caller's to raise)."""
+    if sqlstate == LOCK_NOT_AVAILABLE_SQLSTATE:
+        raise RowLockTimeout(message)
+    if sqlstate in _REFUSED_SQLSTATES:
+        return _sell_one_by_one(requests, at, wait)
+    return None
 
 
 def _row_lock_wait() -> str:
@@ -518,11 +531,10 @@ class BatchInFlight:
         raw_state = error.error_field(psycopg.pq.DiagnosticField.SQLSTATE)
         sqlstate = raw_state.decode() if raw_state else None
         message = error.get_error_message()
-        if sqlstate == LOCK_NOT_AVAILABLE_SQLSTATE:
-            raise RowLockTimeout(message)
-        if sqlstate in _REFUSED_SQLSTATES:
-            return _sell_one_by_one(self.requests, self.at, self._wait)
-        raise DatabaseError(f"the batch statement failed ({sqlstate}): {message}")
+        answers = _after_refusal(sqlstate, message, self.requests, self.at, self._wait)
+        if answers is None:
+            raise DatabaseError(f"the batch statement failed ({sqlstate}): {message}")
+        return answers
 
 
 def _text(value: Any) -> bytes:

@@ -59,29 +59,43 @@ class Checkout(threading.Thread):
             connection.close()
 
 
-def test_the_writer_takes_the_next_batch_while_a_statement_is_in_flight(settings):
+@pytest.fixture
+def widget_writer(settings) -> Iterator[tuple[Any, Item]]:
+    """A writer in a thread, checkouts sent to it, and a lua sale of 10 widgets."""
     settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS = 20_000
+    start_sale(sku="widget", stock=10, strategy="lua")
     with serving() as writer:
         settings.FLASHSALE_SALE_WRITER = writer.path
-        start_sale(sku="widget", stock=10, strategy="lua")
-        item = Item.objects.get(sku="widget")
-        with stock_rows_locked(item):
-            # Given a checkout whose statement waits on the stock rows
-            first = Checkout("widget", "ann")
-            first.start()
-            assert wait_until(lambda: plumbing.rows_total(item) == 9, timeout=10)
+        yield writer, Item.objects.get(sku="widget")
 
-            # When two more buyers check out while the first statement is in flight
-            others = [Checkout("widget", "bob"), Checkout("widget", "cat")]
-            for checkout in others:
-                checkout.start()
 
-            # Then the writer takes their units at once, and answers nobody yet
-            assert wait_until(lambda: plumbing.rows_total(item) == 7, timeout=10)
-            assert all(checkout.is_alive() for checkout in [first, *others])
-            assert writer.sales == 0 and Order.objects.count() == 0
-        for checkout in [first, *others]:
-            checkout.join(20)
+@contextmanager
+def in_flight(item: Item, buyer: str) -> Iterator[Checkout]:
+    """A checkout whose units the writer has taken and whose statement waits on the stock rows,
+    locked until the block ends."""
+    before = plumbing.rows_total(item) or 0
+    with stock_rows_locked(item):
+        checkout = Checkout(item.sku, buyer)
+        checkout.start()
+        assert wait_until(lambda: plumbing.rows_total(item) == before - 1, timeout=10)
+        yield checkout
+
+
+def test_the_writer_takes_the_next_batch_while_a_statement_is_in_flight(widget_writer):
+    writer, item = widget_writer
+    # Given a checkout whose statement waits on the stock rows
+    with in_flight(item, "ann") as first:
+        # When two more buyers check out while the first statement is in flight
+        others = [Checkout("widget", "bob"), Checkout("widget", "cat")]
+        for checkout in others:
+            checkout.start()
+
+        # Then the writer takes their units at once, and answers nobody yet
+        assert wait_until(lambda: plumbing.rows_total(item) == 7, timeout=10)
+        assert all(checkout.is_alive() for checkout in [first, *others])
+        assert writer.sales == 0 and Order.objects.count() == 0
+    for checkout in [first, *others]:
+        checkout.join(20)
 
     # and once the rows are free, all three are sold in two batches, each buyer answered with
     # its order committed
@@ -94,24 +108,16 @@ def test_the_writer_takes_the_next_batch_while_a_statement_is_in_flight(settings
     assert audit["consistent"], audit
 
 
-def test_a_writer_stopped_with_a_statement_in_flight_answers_it_before_it_exits(settings):
-    settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS = 20_000
-    start_sale(sku="widget", stock=10, strategy="lua")
-    item = Item.objects.get(sku="widget")
-    with serving() as writer:
-        settings.FLASHSALE_SALE_WRITER = writer.path
-        with stock_rows_locked(item):
-            # Given a checkout whose statement is in flight
-            checkout = Checkout("widget", "ann")
-            checkout.start()
-            assert wait_until(lambda: plumbing.rows_total(item) == 9, timeout=10)
-
-            # When the writer is told to stop
-            writer.stop()
-            checkout.join(0.5)
-            # Then it waits for the statement rather than leaving the buyer without an answer
-            assert checkout.is_alive()
-        checkout.join(20)
+def test_a_writer_stopped_with_a_statement_in_flight_answers_it_before_it_exits(widget_writer):
+    writer, item = widget_writer
+    # Given a checkout whose statement is in flight
+    with in_flight(item, "ann") as checkout:
+        # When the writer is told to stop
+        writer.stop()
+        checkout.join(0.5)
+        # Then it waits for the statement rather than leaving the buyer without an answer
+        assert checkout.is_alive()
+    checkout.join(20)
 
     assert isinstance(checkout.outcome, Order), checkout.outcome
     assert checkout.committed is True and writer.sales == 1
@@ -119,30 +125,22 @@ def test_a_writer_stopped_with_a_statement_in_flight_answers_it_before_it_exits(
     assert audit["db_stock"] == audit["redis_stock"] == 9 and audit["consistent"], audit
 
 
-def test_a_connection_lost_mid_statement_answers_busy_and_the_writer_goes_on(settings):
-    settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS = 20_000
-    start_sale(sku="widget", stock=10, strategy="lua")
-    item = Item.objects.get(sku="widget")
-    with serving() as writer:
-        settings.FLASHSALE_SALE_WRITER = writer.path
-        place_order(sku="widget", qty=1, buyer="ann")
-        with stock_rows_locked(item):
-            # Given a checkout whose statement is in flight
-            checkout = Checkout("widget", "bob")
-            checkout.start()
-            assert wait_until(lambda: plumbing.rows_total(item) == 8, timeout=10)
+def test_a_connection_lost_mid_statement_answers_busy_and_the_writer_goes_on(widget_writer):
+    writer, item = widget_writer
+    place_order(sku="widget", qty=1, buyer="ann")
+    # Given a checkout whose statement is in flight
+    with in_flight(item, "bob") as checkout:
+        # When the writer's database connection is cut under it
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [writer.backend_pid])
+        checkout.join(20)
 
-            # When the writer's database connection is cut under it
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT pg_terminate_backend(%s)", [writer.backend_pid])
-            checkout.join(20)
-
-        # Then that buyer is told busy (the statement may or may not have committed)
-        assert isinstance(checkout.outcome, Busy), checkout.outcome
-        # and the next checkout is written on a new connection
-        cat = place_order(sku="widget", qty=1, buyer="cat").order
-        assert Order.objects.filter(pk=cat.pk).exists()
-        assert writer.sales == 2
+    # Then that buyer is told busy (the statement may or may not have committed)
+    assert isinstance(checkout.outcome, Busy), checkout.outcome
+    # and the next checkout is written on a new connection
+    cat = place_order(sku="widget", qty=1, buyer="cat").order
+    assert Order.objects.filter(pk=cat.pk).exists()
+    assert writer.sales == 2
 
     # The cut statement was rolled back: Redis is short of its unit until reconciled
     audit = audit_sale("widget")
