@@ -87,10 +87,16 @@ class OrderPublisher:
     which is the outbox, and the sweeper enqueues it again.
     """
 
+    #: How long a process's exit waits for a send its thread has begun (a broker that answers
+    #: takes milliseconds; one that does not, its connect timeout).
+    EXIT_WAIT_SECONDS = 10.0
+
     def __init__(self, *, background: bool = True) -> None:
         #: False: no thread; whoever adds orders calls `flush`.
         self.background = background
         self._lock = threading.Lock()
+        #: Held for the whole of a flush: the one on the way out waits for the thread's.
+        self._flushing = threading.Lock()
         self._pending: list[int] = []
         self._wake = threading.Event()
         self._pid: int | None = None
@@ -98,6 +104,7 @@ class OrderPublisher:
     def forget_after_fork(self) -> None:
         """In a forked child: the parent's thread and pending keys are not ours."""
         self._lock = threading.Lock()
+        self._flushing = threading.Lock()
         self._pending = []
         self._pid = None
 
@@ -114,7 +121,7 @@ class OrderPublisher:
                 threading.Thread(target=self._run, name="order-publisher", daemon=True).start()
                 # A process that exits cleanly (a gunicorn worker recycled or stopped) sends
                 # what it holds instead of leaving it to the sweeper.
-                atexit.register(self.flush)
+                atexit.register(self.flush_on_exit)
             self._pending += order_pks
             if len(self._pending) >= settings.FLASHSALE_PUBLISH_BATCH:
                 self._wake.set()
@@ -131,6 +138,22 @@ class OrderPublisher:
 
     def flush(self) -> int:
         """Send every order gathered so far; return how many went out."""
+        with self._flushing:
+            return self._send_pending()
+
+    def flush_on_exit(self) -> int:
+        """`flush`, at the process's exit: first wait for a send the thread has begun, which
+        the interpreter would otherwise cut short (its thread is a daemon), losing the orders
+        it had taken to the sweeper. A send that hangs longer than EXIT_WAIT_SECONDS is left."""
+        if self._flushing.acquire(timeout=self.EXIT_WAIT_SECONDS):
+            try:
+                return self._send_pending()
+            finally:
+                self._flushing.release()
+        logger.warning("a publish still hangs at exit: sending what is left beside it")
+        return self._send_pending()
+
+    def _send_pending(self) -> int:
         with self._lock:
             batch, self._pending = self._pending, []
         size = settings.FLASHSALE_PUBLISH_BATCH

@@ -270,6 +270,45 @@ def test_a_process_that_exits_cleanly_sends_the_orders_it_still_holds():
     ]
 
 
+def test_a_process_that_exits_while_its_thread_sends_waits_for_that_send():
+    # Given a process whose publisher thread has taken an order and is sending it (held up a
+    # moment, as a first send is while it connects), when the process exits
+    start_sale(sku="exit-mid-send", stock=5, strategy="lua")
+    script = (
+        "import threading, time; import django; django.setup()\n"
+        "from inventory import orders\n"
+        "from inventory.services import place_order\n"
+        "sending = threading.Event()\n"
+        "real = orders.publish_orders\n"
+        "def slow(pks):\n"
+        "    sending.set(); time.sleep(1.0); return real(pks)\n"
+        "orders.publish_orders = slow\n"
+        "print(place_order(sku='exit-mid-send', qty=1, buyer='late').order.pk)\n"
+        "assert sending.wait(30)\n"
+    )
+    client = get_redis_client()
+    queued = client.llen(TASK_QUEUE)
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env={
+            **os.environ,
+            **server_env(FLASHSALE_PUBLISH_INTERVAL_MS=50),
+            "DJANGO_SETTINGS_MODULE": "shop.settings",
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+    # Then the exit waited for the thread's send: the order reached the broker once
+    assert result.returncode == 0, result.stderr
+    order_pk = int(result.stdout.split()[-1])
+    assert task_messages_carrying(client, TASK_QUEUE, [order_pk], since=queued) == [
+        {"task": "inventory.tasks.settle_orders_task", "args": [[order_pk]]}
+    ]
+
+
 _PREPARED = (
     "SELECT statement, generic_plans + custom_plans FROM pg_prepared_statements"
     " WHERE NOT from_sql ORDER BY statement"
