@@ -236,6 +236,26 @@ def test_forty_orders_go_to_the_broker_as_one_message_settled_as_one_batch(monke
     assert PaymentAttempt.objects.filter(order__in=placed).count() == 40
 
 
+def _in_a_process(script: str, **env: object) -> str:
+    """Run a Python script in a fresh process of the shop's (django.setup() is the script's);
+    what it printed. Fails the test if it failed."""
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env={**os.environ, **server_env(**env), "DJANGO_SETTINGS_MODULE": "shop.settings"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def _settle_messages_since(queued: int, order_pk: int) -> list[dict]:
+    # (other messages may arrive meanwhile: this pytest process's own publisher still runs)
+    return task_messages_carrying(get_redis_client(), TASK_QUEUE, [order_pk], since=queued)
+
+
 def test_a_process_that_exits_cleanly_sends_the_orders_it_still_holds():
     # Given a process whose publisher would wait a minute before sending anything
     start_sale(sku="exit", stock=5, strategy="lua")
@@ -244,28 +264,13 @@ def test_a_process_that_exits_cleanly_sends_the_orders_it_still_holds():
         "from inventory.services import place_order\n"
         "print(place_order(sku='exit', qty=1, buyer='late').order.pk)\n"
     )
-    client = get_redis_client()
-    queued = client.llen(TASK_QUEUE)
+    queued = get_redis_client().llen(TASK_QUEUE)
 
     # When it places an order and exits at once
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        env={
-            **os.environ,
-            **server_env(FLASHSALE_PUBLISH_INTERVAL_MS=60_000),
-            "DJANGO_SETTINGS_MODULE": "shop.settings",
-        },
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    order_pk = int(_in_a_process(script, FLASHSALE_PUBLISH_INTERVAL_MS=60_000).split()[-1])
 
     # Then the order went to the broker on the way out, not a minute later by the sweeper
-    assert result.returncode == 0, result.stderr
-    order_pk = int(result.stdout.split()[-1])
-    # (other messages may arrive meanwhile: this pytest process's own publisher still runs)
-    assert task_messages_carrying(client, TASK_QUEUE, [order_pk], since=queued) == [
+    assert _settle_messages_since(queued, order_pk) == [
         {"task": "inventory.tasks.settle_orders_task", "args": [[order_pk]]}
     ]
 
@@ -286,25 +291,11 @@ def test_a_process_that_exits_while_its_thread_sends_waits_for_that_send():
         "print(place_order(sku='exit-mid-send', qty=1, buyer='late').order.pk)\n"
         "assert sending.wait(30)\n"
     )
-    client = get_redis_client()
-    queued = client.llen(TASK_QUEUE)
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        env={
-            **os.environ,
-            **server_env(FLASHSALE_PUBLISH_INTERVAL_MS=50),
-            "DJANGO_SETTINGS_MODULE": "shop.settings",
-        },
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    queued = get_redis_client().llen(TASK_QUEUE)
+    order_pk = int(_in_a_process(script, FLASHSALE_PUBLISH_INTERVAL_MS=50).split()[-1])
 
     # Then the exit waited for the thread's send: the order reached the broker once
-    assert result.returncode == 0, result.stderr
-    order_pk = int(result.stdout.split()[-1])
-    assert task_messages_carrying(client, TASK_QUEUE, [order_pk], since=queued) == [
+    assert _settle_messages_since(queued, order_pk) == [
         {"task": "inventory.tasks.settle_orders_task", "args": [[order_pk]]}
     ]
 
@@ -328,16 +319,8 @@ _CHECKOUT_IN_A_PROCESS = (
 
 def _checkouts_in_a_process(sku: str, **env: object) -> list[tuple[str, int]]:
     """Three checkouts of sku in a fresh process; the statements its connection prepared."""
-    result = subprocess.run(
-        [sys.executable, "-c", _CHECKOUT_IN_A_PROCESS.format(sku=sku, query=_PREPARED)],
-        cwd=ROOT,
-        env={**os.environ, **server_env(**env), "DJANGO_SETTINGS_MODULE": "shop.settings"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr
-    return [tuple(row) for row in json.loads(result.stdout.splitlines()[-1])]
+    printed = _in_a_process(_CHECKOUT_IN_A_PROCESS.format(sku=sku, query=_PREPARED), **env)
+    return [tuple(row) for row in json.loads(printed.splitlines()[-1])]
 
 
 @pytest.mark.parametrize("strategy", ["optimistic", "segmented"])
