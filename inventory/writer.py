@@ -568,6 +568,25 @@ class SaleWriter:
             logger.exception("sale writer: %d orders not handed to the workers", len(order_pks))
 
 
+def take_priority(nice: int) -> str | None:
+    """Run this process at niceness `nice` (FLASHSALE_SALE_WRITER_NICE), before it starts any
+    thread (Linux keeps a niceness per thread; new ones inherit it). None when done; else why
+    not, for the caller to warn with: the writer then runs at the niceness it has.
+
+    Every `lua` sale waits on the writer's one thread. Sharing a few cores with the web
+    workers, a writer woken by a statement's answer otherwise waits behind them for a CPU, and
+    the next batch with it (docs/design.md, "The writer's turn")."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    except PermissionError:
+        return (
+            f"could not set the sale writer's niceness to {nice} (lowering it needs root, "
+            f"CAP_SYS_NICE or an RLIMIT_NICE, `ulimit -e`, of at least {20 - nice}): it runs at "
+            f"{os.getpriority(os.PRIO_PROCESS, 0)}"
+        )
+    return None
+
+
 def _take_of(request: dict[str, Any]) -> Take:
     """The take a request asks for. Raises KeyError, TypeError or ValueError for a request that
     names no sale, or whose cursor is not the one this writer names for it (the buyer's

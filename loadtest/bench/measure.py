@@ -33,6 +33,17 @@ def process_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def scheduled_seconds(pid: int) -> tuple[float, float] | None:
+    """(seconds on a CPU, seconds runnable and waiting for one) of a process's main thread since
+    it started, from /proc/<pid>/schedstat (Linux); None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as schedstat:
+            running, waiting = schedstat.read().split()[:2]
+        return int(running) / 1e9, int(waiting) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
 def redis_cpu_seconds() -> float | None:
     """User + system CPU of the Redis server; of every node, summed, on a cluster."""
     from inventory.redis_client import get_redis_client, is_cluster

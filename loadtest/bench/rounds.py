@@ -25,6 +25,7 @@ from .measure import (
     percentile_ms,
     process_cpu_seconds,
     redis_cpu_seconds,
+    scheduled_seconds,
 )
 
 # -- one contender ---------------------------------------------------------------------------
@@ -74,8 +75,13 @@ def _serve_sales(path: str, ready: Any) -> None:
     """Body of the sale writer's process, for a contender that sells through one."""
     import signal
 
-    from inventory.writer import SaleWriter
+    from django.conf import settings
 
+    from inventory.writer import SaleWriter, take_priority
+
+    refused = take_priority(settings.FLASHSALE_SALE_WRITER_NICE)
+    if refused:
+        print(f"warning: {refused}", flush=True)
     writer = SaleWriter(path)
     signal.signal(signal.SIGTERM, lambda *_: writer.stop())
     writer.serve_forever(ready=ready.set)
@@ -100,6 +106,13 @@ class _Writer:
         self.stats = self._stats()
         self.cpu = process_cpu_seconds(self.process.pid) or 0.0
         self.backend_cpu = process_cpu_seconds(self.stats["backend_pid"]) or 0.0
+        self.scheduled = self._scheduled(self.stats)
+
+    def _scheduled(self, stats: dict[str, Any]) -> dict[str, tuple[float, float] | None]:
+        return {
+            "writer": scheduled_seconds(self.process.pid),
+            "its backend": scheduled_seconds(stats["backend_pid"]),
+        }
 
     def _stats(self) -> dict[str, Any]:
         from inventory.writer import writer_stats
@@ -116,9 +129,18 @@ class _Writer:
         stats = self._stats()
         cpu = (process_cpu_seconds(self.process.pid) or 0.0) - self.cpu
         backend = (process_cpu_seconds(stats["backend_pid"]) or 0.0) - self.backend_cpu
+        scheduled = self._scheduled(stats)
         stats = {
             name: value - self.stats[name] if name in _COUNTED else value
             for name, value in stats.items()
+        }
+        # A new backend (a lost connection) has no earlier reading to count from.
+        stats["scheduled"] = {
+            role: (now[0] - before[0], now[1] - before[1])
+            for role, now in scheduled.items()
+            if now is not None
+            and (before := self.scheduled[role]) is not None
+            and stats["backend_pid"] == self.stats["backend_pid"]
         }
         self.process.terminate()
         self.process.join(10)
@@ -143,14 +165,17 @@ _COUNTED = (
 def _writer_summary(stats: dict[str, Any], cpu: float, seconds: float) -> str:
     """Its batches, and where one batch's turn went: a batch every `seconds` / batches, of
     which the take and the statement are timed; the rest is the wait for the buyers to send
-    again (their own CPU, on cores they share) and the answers."""
-    batches = stats["batches"]
+    again (their own CPU, on cores they share) and the answers. Then how long the writer's
+    thread and its database backend, the two a batch passes through in turn, ran on a CPU and
+    waited for one, per batch (Linux's schedstat: the time a woken process queues behind
+    others is the part of the turn that CPU counts cannot show)."""
+    batches = max(stats["batches"], 1)
 
     def per_batch(seconds: float) -> str:
         return f"{1000 * seconds / batches:.2f}"
 
-    return (
-        f"sale writer: {stats['sales']} sales in {batches} batches "
+    summary = (
+        f"sale writer: {stats['sales']} sales in {stats['batches']} batches "
         f"({stats['sales'] / batches:.1f} per batch, one every {per_batch(seconds)} ms); "
         f"per batch, ms: take "
         f"{per_batch(stats['take_seconds'])} ({per_batch(stats['take_cpu_seconds'])} CPU), "
@@ -158,6 +183,13 @@ def _writer_summary(stats: dict[str, Any], cpu: float, seconds: float) -> str:
         f"({per_batch(stats['commit_cpu_seconds'])} CPU); "
         f"its CPU per sale {1000 * cpu / max(stats['sales'], 1):.2f} ms"
     )
+    scheduled = stats.get("scheduled")
+    if scheduled:
+        summary += "\n      per batch, ms on a CPU / waiting for one: " + ", ".join(
+            f"{role} {per_batch(running)} / {per_batch(waiting)}"
+            for role, (running, waiting) in scheduled.items()
+        )
+    return summary
 
 
 def run_contender(contender: Contender, args: argparse.Namespace, round_: int) -> Result:

@@ -187,8 +187,16 @@ def test_sale_command_refuses_bad_arguments_and_changes_nothing(item, args):
     assert _snapshot() == before
 
 
-@pytest.mark.parametrize("setting", ["FLASHSALE_SHARDS", "FLASHSALE_STRIPES"])
-def test_a_sale_without_stock_rows_is_refused_at_start(setting):
+@pytest.mark.parametrize(
+    ("setting", "value", "complaint"),
+    [
+        ("FLASHSALE_SHARDS", "0", "FLASHSALE_SHARDS must be from 1 to 1000, not 0"),
+        ("FLASHSALE_STRIPES", "0", "FLASHSALE_STRIPES must be from 1 to 1000, not 0"),
+        ("FLASHSALE_SALE_WRITER_NICE", "-21", "must be from -20 to 19, not -21"),
+        ("FLASHSALE_SALE_WRITER_NICE", "20", "must be from -20 to 19, not 20"),
+    ],
+)
+def test_a_setting_out_of_range_is_refused_at_start(setting, value, complaint):
     import os
     import subprocess
     import sys
@@ -198,10 +206,10 @@ def test_a_sale_without_stock_rows_is_refused_at_start(setting):
     result = subprocess.run(
         [sys.executable, "manage.py", "check"],
         cwd=PROJECT_DIR,
-        env={**os.environ, setting: "0"},
+        env={**os.environ, setting: value},
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert result.returncode != 0
-    assert f"{setting} must be from 1 to 1000, not 0" in result.stderr
+    assert complaint in result.stderr

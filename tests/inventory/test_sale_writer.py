@@ -303,3 +303,35 @@ def test_redis_down_under_the_writer_sends_checkouts_to_the_fallback(settings):
         audit = audit_sale("widget")
         assert audit["oversold"] == 0 and audit["accepted_units"] == 3, audit
         assert audit["db_stock"] == audit["redis_stock"] == 7 and audit["consistent"], audit
+
+
+def test_the_writer_runs_at_the_niceness_it_is_given():
+    # Given a writer process told to run at niceness 7 (raising it needs no privilege)
+    writer = SaleWriterProcess({**server_env(), "FLASHSALE_SALE_WRITER_NICE": "7"}).start()
+    try:
+        # Then, once it answers, its main thread runs at that niceness
+        assert os.getpriority(os.PRIO_PROCESS, writer.process.pid) == 7
+    finally:
+        writer.stop()
+
+
+def test_a_writer_run_in_process_gives_its_niceness_back(settings, tmp_path):
+    import signal
+
+    # Given the command run in this process (its main thread), told to run at niceness 3
+    settings.FLASHSALE_SALE_WRITER_NICE = 3
+    before = os.getpriority(os.PRIO_PROCESS, os.getpid())
+    assert before != 3
+    seen = []
+
+    def look_then_stop() -> None:
+        seen.append(os.getpriority(os.PRIO_PROCESS, os.getpid()))
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    timer = threading.Timer(1.0, look_then_stop)
+    timer.start()
+    call_command("sale", "writer", "--socket", str(tmp_path / "writer.sock"))
+    timer.join()
+    # Then it ran at that niceness, and the thread is back where it was once it stopped
+    assert seen == [3]
+    assert os.getpriority(os.PRIO_PROCESS, os.getpid()) == before

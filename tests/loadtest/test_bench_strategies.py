@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -68,6 +70,12 @@ def test_a_tiny_run_prints_every_contender_and_no_safe_one_oversells(django_db_s
     assert re.search(r"lua\s+vs hot row \(SQL\)\s+\d+\.\d\dx", result.stdout), result.stdout
     # the sale writer's row says how it batched
     assert re.search(r"sale writer: \d+ sales in \d+ batches", result.stdout), result.stdout
+    # and how long the writer and its backend ran and queued for a CPU, per batch
+    assert re.search(
+        r"on a CPU / waiting for one: writer \d+\.\d\d / \d+\.\d\d, "
+        r"its backend \d+\.\d\d / \d+\.\d\d",
+        result.stdout,
+    ), result.stdout
     assert re.search(r"lock\s+vs hot row \(SQL\)\s+\d+\.\d\dx", result.stdout), result.stdout
     assert re.search(r"take \+ row sale \(SQL\)\s+vs hot row \(SQL\)\s+\d", result.stdout)
     # and every unit a buyer was sold is an order in the database
@@ -132,3 +140,21 @@ def test_the_lock_strategy_runs_a_peers_lock_when_the_seam_names_it(settings):
     assert (1, 0) in seen  # held, the peer's way
     assert (0, 1) not in seen  # never ours
     assert Item.objects.get(sku="seam").units_left == 1
+
+
+def test_scheduled_seconds_count_a_processs_time_on_a_cpu_and_in_the_queue():
+    from loadtest.bench.measure import scheduled_seconds
+
+    # Given this process's reading, then a busy spell of 0.2 s of CPU
+    before = scheduled_seconds(os.getpid())
+    assert before is not None
+    spent = time.process_time() + 0.2
+    while time.process_time() < spent:
+        pass
+    after = scheduled_seconds(os.getpid())
+    # Then its time on a CPU grew by at least that, and its queueing never went back
+    assert after is not None
+    assert after[0] - before[0] >= 0.19
+    assert after[1] >= before[1]
+    # and a process that is not there has no reading
+    assert scheduled_seconds(2**22 + 1) is None

@@ -262,6 +262,10 @@ def test_the_sale_writer_shares_its_socket_with_web(services):
         mounts = {volume.split(":")[1]: volume.split(":")[0] for volume in service["volumes"]}
         assert mounts.get(socket_dir) == "writer-socket", service["volumes"]
     assert "writer.sock" in " ".join(writer["healthcheck"]["test"])
+    # and its user, not root, may run it at the niceness the settings give it
+    from django.conf import settings
+
+    assert int(writer["ulimits"]["nice"]) >= 20 - settings.FLASHSALE_SALE_WRITER_NICE
     assert not writer.get("ports")
 
 

@@ -3,7 +3,9 @@ serve `lua` checkouts' sales through the sale writer."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from decimal import Decimal, InvalidOperation
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -128,27 +130,36 @@ class Command(BaseCommand):
 
         from django.conf import settings
 
-        from inventory.writer import SaleWriter
+        from inventory.writer import SaleWriter, take_priority
 
         path = options["socket"] or settings.FLASHSALE_SALE_WRITER
         if not path:
             raise CommandError("name the socket: --socket PATH, or set FLASHSALE_SALE_WRITER")
         writer = SaleWriter(path)
+
+        def ready() -> None:
+            refused = take_priority(settings.FLASHSALE_SALE_WRITER_NICE)
+            if refused:
+                self.stderr.write(f"warning: {refused}")
+            self.stdout.write(f"sale writer listening on {path}")
+
         # SIGTERM and Ctrl-C stop it (what it has taken, it writes first); the handlers it
-        # replaces are back once it stops, for a caller that runs this command in-process.
+        # replaces, and the niceness it changes, are back once it stops, for a caller that runs
+        # this command in-process.
         previous = {
             signum: signal.signal(signum, lambda *_: writer.stop())
             for signum in (signal.SIGTERM, signal.SIGINT)
         }
+        niceness = os.getpriority(os.PRIO_PROCESS, 0)
         try:
-            writer.serve_forever(
-                ready=lambda: self.stdout.write(f"sale writer listening on {path}")
-            )
+            writer.serve_forever(ready=ready)
         except (OSError, RuntimeError) as error:
             raise CommandError(f"sale writer: {error}") from None
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+            with contextlib.suppress(OSError):  # going back down needs the same privilege
+                os.setpriority(os.PRIO_PROCESS, 0, niceness)
         stats = writer.stats()
         self.stdout.write(
             f"sale writer stopped: {stats['sales']} sales in {stats['batches']} batches"
