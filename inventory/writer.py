@@ -575,7 +575,7 @@ def take_priority(nice: int) -> str | None:
 
     Every `lua` sale waits on the writer's one thread. Sharing a few cores with the web
     workers, a writer woken by a statement's answer otherwise waits behind them for a CPU, and
-    the next batch with it (docs/design.md, "The writer's turn")."""
+    the next batch with it (docs/design.md, "The writer's turn on shared cores")."""
     try:
         os.setpriority(os.PRIO_PROCESS, 0, nice)
     except PermissionError:

@@ -322,16 +322,24 @@ def test_a_writer_run_in_process_gives_its_niceness_back(settings, tmp_path):
     settings.FLASHSALE_SALE_WRITER_NICE = 3
     before = os.getpriority(os.PRIO_PROCESS, os.getpid())
     assert before != 3
+    path = str(tmp_path / "writer.sock")
     seen = []
 
-    def look_then_stop() -> None:
+    def look_once_it_answers_then_stop() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                writer_stats(path, timeout=1)
+                break
+            except OSError:
+                time.sleep(0.05)
         seen.append(os.getpriority(os.PRIO_PROCESS, os.getpid()))
         os.kill(os.getpid(), signal.SIGTERM)
 
-    timer = threading.Timer(1.0, look_then_stop)
-    timer.start()
-    call_command("sale", "writer", "--socket", str(tmp_path / "writer.sock"))
-    timer.join()
+    looker = threading.Thread(target=look_once_it_answers_then_stop)
+    looker.start()
+    call_command("sale", "writer", "--socket", path)
+    looker.join()
     # Then it ran at that niceness, and the thread is back where it was once it stopped
     assert seen == [3]
     assert os.getpriority(os.PRIO_PROCESS, os.getpid()) == before
