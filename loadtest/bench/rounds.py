@@ -134,13 +134,14 @@ class _Writer:
             name: value - self.stats[name] if name in _COUNTED else value
             for name, value in stats.items()
         }
-        # A new backend (a lost connection) has no earlier reading to count from.
+        # A new backend (after a lost connection) has no earlier reading to count from.
+        same_backend = stats["backend_pid"] == self.stats["backend_pid"]
         stats["scheduled"] = {
             role: (now[0] - before[0], now[1] - before[1])
             for role, now in scheduled.items()
             if now is not None
             and (before := self.scheduled[role]) is not None
-            and stats["backend_pid"] == self.stats["backend_pid"]
+            and (role == "writer" or same_backend)
         }
         self.process.terminate()
         self.process.join(10)
