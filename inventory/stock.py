@@ -271,7 +271,11 @@ def sell_batch(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     Each request is what `SaleRecorder.request` builds plus `rows` ({index: units}). Each is
     its own sale with its own guards: a refusal writes nothing for that request and never
     undoes the others. An answer is `{"o": outcome, "id": order id or None, "at": when the
-    orders were placed}`, the outcome one of sold, short, restarted, duplicate, limit. Must run
+    orders were placed}`, the outcome one of sold, short, restarted, duplicate, limit. A lock
+    holder's request (`segmented`'s, through the writer) also has `fences` ({index: token}) and
+    `"levels": true`: its rows refuse a token older than one they have accepted, its `sold`
+    answer carries `levels` ({index: [stock, version]} after the batch), and when the batch is
+    refused it is answered `again`, written nowhere: its holder writes it itself. Must run
     outside a transaction: it commits on return. Raises RowLockTimeout when a row stayed locked
     by another transaction for FLASHSALE_ROW_LOCK_TIMEOUT_MS (then nothing of the batch is
     written).
@@ -288,7 +292,7 @@ def sell_batch(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     try:
         with prepared_cursor() as cursor:
             cursor.execute(_BATCH_SQL, _batch_parameters(requests, at, wait))
-            placed = dict(cursor.fetchall())
+            found = cursor.fetchall()
     except DatabaseError as exc:
         answers = _after_refusal(
             getattr(exc.__cause__, "sqlstate", None), str(exc.__cause__), requests, at, wait
@@ -296,7 +300,8 @@ def sell_batch(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if answers is None:
             raise
         return answers
-    return _sold(requests, placed, at)
+    placed = {public_id: order_id for public_id, order_id, _ in found}
+    return _sold(requests, placed, at, found[0][2] if found else None)
 
 
 def _after_refusal(
@@ -307,28 +312,43 @@ def _after_refusal(
     error (the caller's to raise)."""
     if sqlstate == LOCK_NOT_AVAILABLE_SQLSTATE:
         raise RowLockTimeout(message)
-    if sqlstate in _REFUSED_SQLSTATES:
-        return _sell_one_by_one(requests, at, wait)
-    return None
+    if sqlstate not in _REFUSED_SQLSTATES:
+        return None
+    # A lock holder's request (fenced, answered its levels) is answered `again`: its holder
+    # writes it on its own (`sell`), which tells a short row from a refused token.
+    others = [request for request in requests if not request.get("levels")]
+    answers = iter(_sell_one_by_one(others, at, wait) if others else [])
+    return [{"o": "again"} if request.get("levels") else next(answers) for request in requests]
 
 
 def _row_lock_wait() -> str:
     return f"{int(settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS)}ms"
 
 
-def _sold(requests: list[dict[str, Any]], placed: dict[str, int], at: datetime) -> list[dict]:
+def _sold(
+    requests: list[dict[str, Any]], placed: dict[str, int], at: datetime, levels: str | None
+) -> list[dict]:
     """The answers of a batch the set-based statement sold whole (`placed`: order id by
-    public id)."""
+    public id; `levels`: the rows it wrote, as JSON [[sale, index, stock, version], ...]).
+    A request for a lock holder (`"levels": true`) is also answered its rows' levels and
+    versions after the batch, {index: [stock, version]}, for the holder's hints."""
     stamp = at.isoformat()
-    # PostgreSQL spells a uuid in lower case; a request may have spelt it otherwise.
-    return [
-        {
-            "o": "sold",
-            "id": placed.get(request["public_id"]) or placed[str(uuid.UUID(request["public_id"]))],
-            "at": stamp,
-        }
-        for request in requests
-    ]
+    rows = (
+        {(sale, index): [left, version] for sale, index, left, version in json.loads(levels)}
+        if levels and any(request.get("levels") for request in requests)
+        else {}
+    )
+    answers = []
+    for request in requests:
+        # PostgreSQL spells a uuid in lower case; a request may have spelt it otherwise.
+        order_id = placed.get(request["public_id"]) or placed[str(uuid.UUID(request["public_id"]))]
+        answer = {"o": "sold", "id": order_id, "at": stamp}
+        if request.get("levels"):
+            answer["levels"] = {
+                index: rows[request["sale"], int(index)] for index in request["rows"]
+            }
+        answers.append(answer)
+    return answers
 
 
 def _sell_one_by_one(requests: list[dict[str, Any]], at: datetime, wait: str) -> list[dict]:
@@ -356,15 +376,22 @@ _REFUSED_SQLSTATES = frozenset({"FS001", "23505", "23514"})
 
 def _batch_parameters(requests: list[dict[str, Any]], at: datetime, wait: str) -> dict[str, Any]:
     """`_BATCH_SQL`'s parameters: the batch as one JSON array, and the stock rows it takes
-    from, each once with the units the batch takes from it, in lock order (sale, index)."""
+    from, each once with the units the batch takes from it, in lock order (sale, index), and
+    the lowest and highest fencing token its requests hold for it (None: written under no
+    lock). A row takes the lowest as its guard and keeps the highest: as if the requests were
+    written one after another, in the order of their tokens."""
     needed: dict[tuple[int, int, int], int] = {}
+    fences: dict[tuple[int, int, int], list[int]] = {}
     for request in requests:
         if not request.get("public_id"):
             request["public_id"] = str(uuid.uuid4())
         sale, item = request["sale"], request["item"]
+        held = request.get("fences") or {}
         for index, units in request["rows"].items():
             row = (sale, int(index), item)
             needed[row] = needed.get(row, 0) + units
+            if index in held:
+                fences.setdefault(row, []).append(held[index])
     rows = sorted(needed)
     return {
         "batch": json.dumps(requests, separators=(",", ":")),
@@ -374,6 +401,8 @@ def _batch_parameters(requests: list[dict[str, Any]], at: datetime, wait: str) -
         "indexes": [index for _, index, _ in rows],
         "items": [item for _, _, item in rows],
         "units": [needed[row] for row in rows],
+        "fences": [min(fences[row]) if row in fences else None for row in rows],
+        "top_fences": [max(fences[row]) if row in fences else None for row in rows],
     }
 
 
@@ -393,11 +422,12 @@ _BATCH_SQL = f"""
 WITH bound AS MATERIALIZED (SELECT set_config('lock_timeout', %(wait)s::text, true)),
 needed AS (
     SELECT * FROM unnest(
-        %(sales)s::bigint[], %(indexes)s::integer[], %(items)s::bigint[], %(units)s::integer[]
-    ) AS needed (sale, index, item, units)
+        %(sales)s::bigint[], %(indexes)s::integer[], %(items)s::bigint[], %(units)s::integer[],
+        %(fences)s::bigint[], %(top_fences)s::bigint[]
+    ) AS needed (sale, index, item, units, fence, top_fence)
 ),
 locked AS MATERIALIZED (
-    SELECT row.id, needed.units
+    SELECT row.id, needed.units, needed.fence, needed.top_fence
     FROM {StockShard._meta.db_table} row
     JOIN needed ON row.sale_id = needed.sale AND row.index = needed.index
     WHERE row.sale_id = ANY(%(sales)s::bigint[])
@@ -411,11 +441,13 @@ locked AS MATERIALIZED (
 ),
 taken AS (
     UPDATE {StockShard._meta.db_table} row
-    SET stock = row.stock - locked.units, version = row.version + 1
+    SET stock = row.stock - locked.units, version = row.version + 1,
+        fence = coalesce(locked.top_fence, row.fence)
     FROM locked
     WHERE row.id = locked.id AND row.stock >= locked.units
+      AND (locked.fence IS NULL OR row.fence <= locked.fence)
       AND row.sale_id = ANY(%(sales)s::bigint[])
-    RETURNING row.id
+    RETURNING row.sale_id, row.index, row.stock, row.version
 ),
 request AS MATERIALIZED (
     SELECT * FROM jsonb_to_recordset(%(batch)s::jsonb) AS r (
@@ -441,14 +473,26 @@ placed AS (
     FROM request
     RETURNING public_id, id
 )
-SELECT public_id::text, id FROM placed
+SELECT public_id::text, id,
+    (SELECT json_agg(json_build_array(sale_id, index, stock, version)) FROM taken)::text
+FROM placed
 WHERE inventory_all_or_nothing(
     (SELECT count(*) FROM taken)::integer + 1, cardinality(%(indexes)s::integer[]) + 1
 )
 """
 
 #: `_BATCH_SQL`'s parameters in the order `BatchInFlight` sends them ($1, $2, ...).
-_BATCH_PARAMETERS = ("batch", "at", "wait", "sales", "indexes", "items", "units")
+_BATCH_PARAMETERS = (
+    "batch",
+    "at",
+    "wait",
+    "sales",
+    "indexes",
+    "items",
+    "units",
+    "fences",
+    "top_fences",
+)
 _BATCH_SQL_NUMBERED = _BATCH_SQL
 for _number, _name in enumerate(_BATCH_PARAMETERS, start=1):
     _BATCH_SQL_NUMBERED = _BATCH_SQL_NUMBERED.replace(f"%({_name})s", f"${_number}")
@@ -526,7 +570,8 @@ class BatchInFlight:
                 bytes(result.get_value(row, 0) or b"").decode(): int(result.get_value(row, 1) or 0)
                 for row in range(result.ntuples)
             }
-            return _sold(self.requests, placed, self.at)
+            levels = result.get_value(0, 2) if result.ntuples else None
+            return _sold(self.requests, placed, self.at, bytes(levels).decode() if levels else None)
         error = failed[0]
         raw_state = error.error_field(psycopg.pq.DiagnosticField.SQLSTATE)
         sqlstate = raw_state.decode() if raw_state else None
@@ -540,7 +585,7 @@ class BatchInFlight:
 def _text(value: Any) -> bytes:
     """A parameter in PostgreSQL's text form (what `BatchInFlight` sends)."""
     if isinstance(value, list):
-        return ("{" + ",".join(map(str, value)) + "}").encode()
+        return ("{" + ",".join("NULL" if v is None else str(v) for v in value) + "}").encode()
     if isinstance(value, datetime):
         return value.isoformat().encode()
     return str(value).encode()

@@ -1,4 +1,5 @@
-"""The sale writer: one process that takes and writes `lua` sales for every web process.
+"""The sale writer: one process that writes the sales of `lua` and `segmented` for every web
+process, several to a commit.
 
 With FLASHSALE_SALE_WRITER naming a unix socket, a `lua` checkout sends its sale to the writer
 (`python manage.py sale writer`) and waits for one answer, instead of calling Redis and then the
@@ -7,6 +8,14 @@ one script (the same check-and-DECRBY a direct checkout runs, per request), writ
 that got units in one statement and one commit (`inventory.stock.sell_batch`'s: each sale keeps
 its own guards), answers each buyer once its order row is committed, and hands the batch's
 orders to the order workers (`orders.orders_placed`: the buyers' processes publish none).
+
+A `segmented` checkout holding a shard's lock sends its sale the same way (`write_request`):
+the rows it holds and their fencing tokens, no take. It joins the batch as it is, its rows
+fenced in the statement as in its own, and is answered with their levels after the commit (its
+hints). Ten shards let ten holders wait on the writer at once, and their sales share commits: a
+single lock (`lock`) has one holder at a time and nothing to share, so it writes its own. A
+holder whose batch was refused (a row short, a token refused) is answered `again` and writes
+its sale itself, still under its locks: that write tells it which.
 
 The statement is sent without waiting for it (`stock.BatchInFlight`): while PostgreSQL writes
 and commits one batch, the writer reads and takes the next, and sends it as soon as the first is
@@ -28,6 +37,7 @@ nothing was written and nothing will be: the buyer gets Redis's error, and the f
 it, as for a direct checkout.
 
 The protocol is one JSON object per line each way; one request at a time per connection.
+A request to take is `sale_request`'s, one to write as it is `write_request`'s.
 """
 
 from __future__ import annotations
@@ -152,6 +162,21 @@ def client() -> WriterClient | None:
     if found is None:
         found = _clients[key] = WriterClient(path, settings.FLASHSALE_GROUP_COMMIT_WAIT_MS / 1000)
     return found
+
+
+def write_request(
+    sale: dict[str, Any], rows: dict[int, int], fences: dict[int, int] | None
+) -> dict[str, Any]:
+    """What a lock holder sends (`segmented`): the sale to write from the rows it holds the
+    locks of ({index: units}), fenced by their tokens; no take, its units are the rows'. It is
+    answered once committed, with its rows' levels and versions after the batch."""
+    return {
+        "write": {
+            **sale,
+            "rows": {str(index): units for index, units in rows.items()},
+            "fences": {str(index): fence for index, fence in (fences or {}).items()},
+        }
+    }
 
 
 def sale_request(
@@ -440,6 +465,12 @@ class SaleWriter:
         arrived, self._pending = self._pending, []
         takes: list[tuple[_Connection, dict[str, Any], Take]] = []
         for conn, request in arrived:
+            if "write" in request:  # a lock holder's sale: its units are its rows' already
+                try:
+                    self._taken.append(_Sale(conn, _write_of(request)))
+                except (KeyError, TypeError, ValueError) as exc:
+                    self._answer(conn, {"o": "invalid", "e": repr(exc)})
+                continue
             try:
                 take = _take_of(request)
             except (KeyError, TypeError, ValueError) as exc:
@@ -585,6 +616,25 @@ def take_priority(nice: int) -> str | None:
             f"{os.getpriority(os.PRIO_PROCESS, 0)}"
         )
     return None
+
+
+def _write_of(request: dict[str, Any]) -> dict[str, Any]:
+    """The sale a lock holder's request asks to write (`write_request`), checked: its rows
+    ({index: units}, units above 0) and their fencing tokens. Raises KeyError, TypeError or
+    ValueError for one that is not well formed."""
+    sale = request["write"]
+    if not isinstance(sale, dict) or type(sale.get("sale")) is not int:
+        raise ValueError("no sale to write")
+    rows, fences = sale["rows"], sale.get("fences") or {}
+    if not isinstance(rows, dict) or not rows or not isinstance(fences, dict):
+        raise ValueError("a write names its rows, {index: units}, and their fences")
+    for index, units in rows.items():
+        if not index.isdigit() or type(units) is not int or units < 1:
+            raise ValueError(f"row {index!r}: {units!r} units")
+    for index, fence in fences.items():
+        if index not in rows or type(fence) is not int:
+            raise ValueError(f"fence {fence!r} for row {index!r}")
+    return {**sale, "levels": True}
 
 
 def _take_of(request: dict[str, Any]) -> Take:

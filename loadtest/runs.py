@@ -120,7 +120,8 @@ class LoadRunSettings:
     #: A sized stock lasts window x headroom at the probe's pace: room for a faster sale.
     headroom: float = 1.5
     unsafe_delay_ms: int = 5
-    #: A server started here sends `lua`'s sales through a sale writer started with it.
+    #: A server started here sends `lua`'s and `segmented`'s sales through a sale writer
+    #: started with it.
     sale_writer: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)
 

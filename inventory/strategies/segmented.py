@@ -28,17 +28,25 @@ import logging
 import random
 import time
 import uuid
+from datetime import datetime
 
 from django.conf import settings
 
 from locking import Lock
 
-from .. import keys
+from .. import keys, writer
 from ..breaker import breaker
 from ..exceptions import Busy, SoldOut
 from ..models import Item, Order
 from ..redis_client import REDIS_DOWN_ERRORS
-from ..stock import HalfDone, StockRow, ensure_current, shard_rows, simulate_work
+from ..stock import (
+    HalfDone,
+    RowLockTimeout,
+    StockRow,
+    ensure_current,
+    shard_rows,
+    simulate_work,
+)
 from . import plumbing
 from .base import Allocation, RecordOrder, StockStrategy
 from .plumbing import (
@@ -214,6 +222,9 @@ class SegmentedStrategy(StockStrategy):
             if None not in fences.values()
             else None
         )
+        order = self._written(item, record, plan, shard_fences, hints)
+        if order is not None:
+            return order
         try:
             sold = record(
                 Allocation(strategy=self.name, shard_units=plan, shard_fences=shard_fences)
@@ -236,6 +247,62 @@ class SegmentedStrategy(StockStrategy):
             }
         )
         return sold.order
+
+    def _written(
+        self,
+        item: Item,
+        record: RecordOrder,
+        plan: dict[int, int],
+        shard_fences: dict[int, int] | None,
+        hints: dict[int, StockRow],
+    ) -> Order | None:
+        """The sale written by the sale writer (FLASHSALE_SALE_WRITER), in a commit shared
+        with the other shards' holders of every web process and with `lua`'s sales: the
+        committed order, its rows' levels in `hints`. None when no writer is configured or
+        reachable, or when it answers `again` (its batch was refused: a row short or a token
+        refused): then the holder writes the sale itself, still under its locks."""
+        sale_writer = writer.client()
+        if sale_writer is None:
+            return None
+        request = writer.write_request(record.request(served_by=self.name), plan, shard_fences)
+        try:
+            answer = sale_writer.ask(request)
+        except writer.WriterUnavailable:
+            return None
+        except writer.WriterLost as exc:
+            # Sent, unanswered: it may be committed, so it must not be written again.
+            raise Busy(
+                f"{item.sku}: the sale writer did not answer ({exc})",
+                retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+            ) from None
+        outcome = answer["o"]
+        if outcome == "sold":
+            sale = request["write"]
+            order = record.sold(
+                order_id=answer["id"],
+                public_id=sale["public_id"],
+                served_by=self.name,
+                shard_units=plan,
+                placed_at=datetime.fromisoformat(answer["at"]),
+            ).order
+            order.handed_to_workers = bool(answer.get("handed"))  # the writer hands them over
+            hints.update(
+                {
+                    int(index): StockRow(stock=left, version=version)
+                    for index, (left, version) in answer["levels"].items()
+                }
+            )
+            return order
+        if outcome == "failed":  # may be committed: a retry with the key finds it
+            raise Busy(
+                f"{item.sku}: the sale writer's batch failed",
+                retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+            )
+        if outcome == "locked":
+            raise RowLockTimeout(f"{item.sku}: a stock row stayed locked")
+        if outcome == "invalid":
+            raise RuntimeError(f"the sale writer refused the request: {answer.get('e')}")
+        return None  # again: nothing was written
 
     def _write_hints_quietly(self, item: Item, rows: dict[int, StockRow]) -> None:
         try:

@@ -113,8 +113,8 @@ class Server:
             say(f"`manage.py migrate` failed (exit {exit_status(migrate.returncode)}); not serving")
             return 1
 
-        # `lua`'s sales of every web process, in shared commits (FLASHSALE_SALE_WRITER="" turns
-        # it off: each web process then writes its own).
+        # `lua`'s and `segmented`'s sales of every web process, in shared commits
+        # (FLASHSALE_SALE_WRITER="" turns it off: each web process then writes its own).
         if os.environ.setdefault("FLASHSALE_SALE_WRITER", self.writer_socket()):
             self._spawn("the sale writer", [sys.executable, "manage.py", "sale", "writer"])
         # `/metrics` open to this machine, without the token; the worker's on the next port.

@@ -1,5 +1,5 @@
 """`manage.py sale start|restock|audit|reconcile|writer`: run a sale, check its invariants, and
-serve `lua` checkouts' sales through the sale writer."""
+write `lua`'s and `segmented`'s sales through the sale writer."""
 
 from __future__ import annotations
 
@@ -69,8 +69,9 @@ class Command(BaseCommand):
         reconcile.add_argument("sku")
         writer = actions.add_parser(
             "writer",
-            help="Take and write the sales of `lua` checkouts sent by every web process, in "
-            "batches, until stopped (SIGTERM or Ctrl-C: what it has taken it writes first).",
+            help="Take and write the sales of `lua` checkouts (and write those of `segmented`'s "
+            "shard holders) sent by every web process, in batches, until stopped (SIGTERM or "
+            "Ctrl-C: what it has taken it writes first).",
         )
         writer.add_argument(
             "--socket",

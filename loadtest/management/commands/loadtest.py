@@ -104,8 +104,8 @@ class Command(BaseCommand):
             "--sale-writer",
             action=argparse.BooleanOptionalAction,
             default=True,
-            help="on a server started here, send `lua`'s sales through a sale writer started "
-            "with it (`manage.py sale writer`; default: yes)",
+            help="on a server started here, send the sales of `lua` and `segmented` through a "
+            "sale writer started with it (`manage.py sale writer`; default: yes)",
         )
         parser.add_argument(
             "--settle-timeout",
