@@ -15,6 +15,8 @@ LUA_GROUPED = "lua, group commit"
 LUA_UNGROUPED = "lua, commit per sale"
 #: `lua` through the sale writer (inventory/writer.py), started for the round.
 LUA_WRITER = "lua, sale writer"
+#: `segmented` with its shard holders' sales written by a sale writer started for the round.
+SEGMENTED_WRITER = "segmented, sale writer"
 #: Row labels of the peers the lock targets name.
 PYTHON_REDIS_LOCK = "python-redis-lock"
 REDIS_PY_DEFAULT = "redis-py Lock sleep=0.1"
@@ -60,6 +62,8 @@ WORK_TARGET = 5.0
 
 #: (what, versus what): the bounds printed under the targets, for what the machine allows.
 BOUNDS = [
+    (SEGMENTED_WRITER, "lock"),
+    (SEGMENTED_WRITER, "segmented"),
     ("lua", HOT_ROW),
     (LUA_WRITER, "lua"),
     ("lua", EVALSHA_SELL),
@@ -178,11 +182,21 @@ def contenders_for(args: argparse.Namespace) -> list[Contender]:
             f"bench-{name}",
             safe=not oversells(name),
             strategy=name,
-            # `lua` as each buyer runs it on its own; the sale writer has a row of its own.
-            settings={"FLASHSALE_SALE_WRITER": ""} if name == "lua" else {},
+            # Each buyer writing its own sales; through the sale writer has a row of its own.
+            settings={"FLASHSALE_SALE_WRITER": ""},
         )
         for name in args.strategies
     ]
+    if "segmented" in args.strategies:
+        contenders.append(
+            Contender(
+                SEGMENTED_WRITER,
+                "strategy",
+                "bench-segmented-writer",
+                strategy="segmented",
+                settings={"FLASHSALE_SALE_WRITER": writer_socket()},
+            )
+        )
     if "lua" in args.strategies:
         # lua with its group commit switched the other way: what sharing commits buys.
         grouped = not _group_commit()

@@ -115,8 +115,10 @@ def print_ratios(checks: list[dict[str, Any]]) -> None:
         if check["target"] is None and not bounds:
             bounds = True
             print(
-                "other ratios (lua with each buyer taking and writing its own sales, against the "
-                "hot row and the sale writer; then what the machine allows a buyer on its own: "
+                "other ratios (segmented with its shard holders' sales written by the sale "
+                "writer, against lock and against each holder writing its own; lua with each "
+                "buyer taking and writing its own sales, against the hot row and the sale "
+                "writer; then what the machine allows a buyer on its own: "
                 "lua against its least possible work, a take plus the sale statement on a stock "
                 "row, and that against the hot row, the sale statement alone on the item row):"
             )

@@ -25,6 +25,7 @@ SAFE = [
     "optimistic",
     "lua, group commit",
     "lua, sale writer",
+    "segmented, sale writer",
     "lock +5 ms work",
     "segmented +5 ms work",
     *(peer.label for peer in PEERS.values()),
@@ -68,6 +69,7 @@ def test_a_tiny_run_prints_every_contender_and_no_safe_one_oversells(django_db_s
     assert result.stdout.count("(target <= ") == 1, result.stdout
     assert re.search(r"lua, sale writer\s+vs hot row \(SQL\)\s+\d+\.\d\dx", result.stdout)
     assert re.search(r"lua\s+vs hot row \(SQL\)\s+\d+\.\d\dx", result.stdout), result.stdout
+    assert re.search(r"segmented, sale writer\s+vs lock\s+\d+\.\d\dx", result.stdout)
     # the sale writer's row says how it batched
     assert re.search(r"sale writer: \d+ sales in \d+ batches", result.stdout), result.stdout
     # and how long the writer and its backend ran and queued for a CPU, per batch
