@@ -178,6 +178,7 @@ TWINS = 50
         ("lua", "sale writer", 4),
         ("lock", "direct", 2),
         ("segmented", "direct", 2),
+        ("segmented", "sale writer", 2),
         ("optimistic", "direct", 2),
     ],
 )

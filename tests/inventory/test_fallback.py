@@ -14,9 +14,11 @@ from django.utils import timezone
 from inventory.models import Item, Order
 from inventory.selectors import audit_sale
 from inventory.services import start_sale
+from inventory.writer import writer_stats
 from loadtest.flood import flood
 from shop.processes.redis_server import RedisServer
-from tests.conftest import start_shop
+from shop.processes.servers import SaleWriter as SaleWriterProcess
+from tests.conftest import server_env, start_shop
 
 STOCK = 300
 ATTEMPTS = 1200
@@ -40,14 +42,17 @@ def private_redis(settings):
         yield server
 
 
+#: Short Redis timeouts, so that the outage is noticed at once.
+OUTAGE_SETTINGS = {
+    "FLASHSALE_REDIS_TIMEOUT": 0.2,
+    "FLASHSALE_REDIS_CONNECT_TIMEOUT": 0.2,
+    "FLASHSALE_BREAKER_PROBE_SECONDS": 0.3,
+}
+
+
 @pytest.fixture
 def outage_shop(private_redis):
-    server = start_shop(
-        REDIS_URL=private_redis.url,
-        FLASHSALE_REDIS_TIMEOUT=0.2,
-        FLASHSALE_REDIS_CONNECT_TIMEOUT=0.2,
-        FLASHSALE_BREAKER_PROBE_SECONDS=0.3,
-    )
+    server = start_shop(REDIS_URL=private_redis.url, **OUTAGE_SETTINGS)
     yield server
     server.stop()
 
@@ -55,13 +60,32 @@ def outage_shop(private_redis):
 @pytest.mark.parametrize("strategy", ["lock", "segmented", "lua"])
 @pytest.mark.parametrize("outage", ["killed", "paused"])
 def test_checkout_survives_redis_outage(outage_shop, private_redis, strategy, outage):
+    _sale_through_an_outage(outage_shop.url, private_redis, strategy, outage)
+
+
+@pytest.mark.parametrize("strategy", ["segmented", "lua"])
+def test_checkout_through_the_sale_writer_survives_redis_killed(private_redis, strategy):
+    # The same with the web processes handing their sales to a sale writer on that Redis
+    writer = SaleWriterProcess(server_env(**OUTAGE_SETTINGS)).start()
+    server = start_shop(**OUTAGE_SETTINGS, **writer.env())
+    try:
+        sold_before = writer_stats(writer.path)["sales"]
+        _sale_through_an_outage(server.url, private_redis, strategy, "killed")
+        # and the writer wrote sales before the outage (its holders and takers came back)
+        assert writer_stats(writer.path)["sales"] > sold_before
+    finally:
+        server.stop()
+        writer.stop()
+
+
+def _sale_through_an_outage(url: str, private_redis, strategy: str, outage: str) -> None:
     # Given a sale through a Redis strategy and a flood of buyers that outlasts the stock
     sku = f"{strategy}-{outage}-{uuid.uuid4().hex[:6]}"
     start_sale(sku=sku, stock=STOCK, strategy=strategy)
     results = []
     buyers = threading.Thread(
         target=lambda: results.append(
-            flood(outage_shop.url, sku, attempts=ATTEMPTS, concurrency=BUYERS, pause=0.01)
+            flood(url, sku, attempts=ATTEMPTS, concurrency=BUYERS, pause=0.01)
         )
     )
     buyers.start()
