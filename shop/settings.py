@@ -227,8 +227,8 @@ for _rows in ("FLASHSALE_SHARDS", "FLASHSALE_STRIPES"):
 # one commit per sale, which is faster on 2 cores; see docs/design.md).
 FLASHSALE_GROUP_COMMIT = env.bool("FLASHSALE_GROUP_COMMIT", default=False)
 FLASHSALE_GROUP_COMMIT_BATCH = env.int("FLASHSALE_GROUP_COMMIT_BATCH", default=100)
-# `lua` through the sale writer (`manage.py salewriter`): the unix socket it listens on; empty:
-# every web process takes and writes its own sales.
+# `lua` and `segmented` through the sale writer (`manage.py sale writer`): the unix socket it
+# listens on; empty: every web process takes and writes its own sales.
 FLASHSALE_SALE_WRITER = env.str("FLASHSALE_SALE_WRITER", default="")
 # How long the writer, while a batch's statement is in flight, waits for the buyers its last
 # answer reached to send again before it takes the ones back (microseconds; 0: never waits).
@@ -239,10 +239,10 @@ if not 0 <= FLASHSALE_SALE_WRITER_LINGER_US <= 100_000:
         "FLASHSALE_SALE_WRITER_LINGER_US must be from 0 to 100000 (0.1 s), "
         f"not {FLASHSALE_SALE_WRITER_LINGER_US}"
     )
-# The niceness the sale writer runs at (-20 to 19; lower runs first): every `lua` sale waits on
-# its one thread, and on 2 cores a woken writer otherwise queues behind web workers for a CPU.
-# Lowering it needs root, CAP_SYS_NICE or an RLIMIT_NICE of 20 - it (compose sets 30); without
-# them the writer warns and runs as it is.
+# The niceness the sale writer runs at (-20 to 19; lower runs first): every `lua` and `segmented`
+# sale waits on its one thread, and on 2 cores a woken writer otherwise queues behind web
+# workers for a CPU. Lowering it needs root, CAP_SYS_NICE or an RLIMIT_NICE of 20 - it (compose
+# sets 30); without them the writer warns and runs as it is.
 FLASHSALE_SALE_WRITER_NICE = env.int("FLASHSALE_SALE_WRITER_NICE", default=-10)
 if not -20 <= FLASHSALE_SALE_WRITER_NICE <= 19:
     raise ImproperlyConfigured(
