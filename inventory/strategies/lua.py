@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from datetime import datetime
 from typing import Any, TypeVar
 
 from django.conf import settings
@@ -187,7 +186,7 @@ class LuaStrategy(StockStrategy):
             answer = self._settle(item, group, queued)
             outcome = answer["o"]
             if outcome == "sold":
-                return self._committed_order(record, request, answer, queued.taken)
+                return plumbing.committed_order(record, request, answer, queued.taken, self.name)
             if outcome == "short":
                 self._resync(item)  # Redis granted units the database does not hold
                 continue
@@ -212,13 +211,7 @@ class LuaStrategy(StockStrategy):
         )
 
         def ask() -> dict[str, Any] | None:
-            try:
-                answer = sale_writer.ask(request)
-            except writer.WriterLost as exc:
-                raise Busy(
-                    f"{item.sku}: the sale writer did not answer ({exc})",
-                    retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
-                ) from None
+            answer = plumbing.ask_writer(sale_writer, request, item.sku)
             outcome = answer["o"]
             if outcome == "claimed" and claim is not None:
                 raise KeyClaimed(claim)
@@ -241,36 +234,12 @@ class LuaStrategy(StockStrategy):
             taken = {int(index): units for index, units in answer["rows"].items()}
             outcome = answer["o"]
             if outcome == "sold":
-                return self._committed_order(record, request["sale"], answer, taken)
+                return plumbing.committed_order(record, request["sale"], answer, taken, self.name)
             if outcome == "short":
                 self._resync(item)  # Redis granted units the database does not hold
                 continue
-            if outcome == "failed":  # may be committed: a retry with the key finds it
-                raise Busy(
-                    f"{item.sku}: the sale writer's batch failed",
-                    retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
-                )
             self._refuse(item, taken, outcome)
         return self._refused(item, qty, record)
-
-    def _committed_order(
-        self,
-        record: RecordOrder,
-        sale: dict[str, Any],
-        answer: dict[str, Any],
-        taken: dict[int, int],
-    ) -> Order:
-        """The order a batch committed for this checkout (`sale`: the request it was sent)."""
-        order = record.sold(
-            order_id=answer["id"],
-            public_id=sale["public_id"],
-            served_by=self.name,
-            shard_units=taken,
-            placed_at=datetime.fromisoformat(answer["at"]),
-        ).order
-        # The sale writer hands its batches' orders to the workers itself.
-        order.handed_to_workers = bool(answer.get("handed"))
-        return order
 
     def _refuse(self, item: Item, taken: dict[int, int], outcome: str) -> None:
         """A batch's refusal of a sale it wrote nothing for: the units go back, and the

@@ -21,8 +21,9 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
+from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.utils.module_loading import import_string
@@ -32,13 +33,16 @@ from locking import lock as lock_module
 from locking.cluster import by_slot, is_cluster
 from locking.combining import GroupCommit
 
-from .. import keys, metrics
+from .. import keys, metrics, writer
 from ..breaker import breaker
-from ..exceptions import LockLost
+from ..exceptions import Busy, LockLost
 from ..fences import next_fence
 from ..models import Item, Order
 from ..redis_client import REDIS_DOWN_ERRORS, get_lock_clients, get_redis_client
 from ..stock import StockRow, shard_rows, shard_stocks
+
+if TYPE_CHECKING:
+    from .base import RecordOrder
 
 logger = logging.getLogger(__name__)
 
@@ -320,3 +324,44 @@ def rows_total(item: Item) -> int | None:
     levels = counter().get_many(keys.rows(item))
     held = [level for level in levels if level is not None]
     return sum(held) if len(held) == len(levels) else None
+
+
+def ask_writer(sale_writer: writer.WriterClient, request: dict[str, Any], sku: str) -> dict:
+    """Send a checkout's request to the sale writer and return its answer. Raises Busy once the
+    request was sent and no answer came, or its batch failed: the sale may be committed (a
+    retry with the idempotency key finds it), so nothing else may sell it again. Raises
+    `writer.WriterUnavailable` when nothing was sent."""
+    try:
+        answer = sale_writer.ask(request)
+    except writer.WriterLost as exc:
+        raise Busy(
+            f"{sku}: the sale writer did not answer ({exc})",
+            retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+        ) from None
+    if answer["o"] == "failed":
+        raise Busy(
+            f"{sku}: the sale writer's batch failed",
+            retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+        )
+    return answer
+
+
+def committed_order(
+    record: RecordOrder,
+    sale: dict[str, Any],
+    answer: dict[str, Any],
+    shard_units: dict[int, int],
+    served_by: str,
+) -> Order:
+    """The order a batch committed for this checkout (`sale`: the request it was sent, `answer`:
+    the batch's for it)."""
+    order = record.sold(
+        order_id=answer["id"],
+        public_id=sale["public_id"],
+        served_by=served_by,
+        shard_units=shard_units,
+        placed_at=datetime.fromisoformat(answer["at"]),
+    ).order
+    # The sale writer hands its batches' orders to the workers itself.
+    order.handed_to_workers = bool(answer.get("handed"))
+    return order

@@ -28,7 +28,6 @@ import logging
 import random
 import time
 import uuid
-from datetime import datetime
 
 from django.conf import settings
 
@@ -266,38 +265,18 @@ class SegmentedStrategy(StockStrategy):
             return None
         request = writer.write_request(record.request(served_by=self.name), plan, shard_fences)
         try:
-            answer = sale_writer.ask(request)
+            answer = plumbing.ask_writer(sale_writer, request, item.sku)
         except writer.WriterUnavailable:
             return None
-        except writer.WriterLost as exc:
-            # Sent, unanswered: it may be committed, so it must not be written again.
-            raise Busy(
-                f"{item.sku}: the sale writer did not answer ({exc})",
-                retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
-            ) from None
         outcome = answer["o"]
         if outcome == "sold":
-            sale = request["write"]
-            order = record.sold(
-                order_id=answer["id"],
-                public_id=sale["public_id"],
-                served_by=self.name,
-                shard_units=plan,
-                placed_at=datetime.fromisoformat(answer["at"]),
-            ).order
-            order.handed_to_workers = bool(answer.get("handed"))  # the writer hands them over
             hints.update(
                 {
                     int(index): StockRow(stock=left, version=version)
                     for index, (left, version) in answer["levels"].items()
                 }
             )
-            return order
-        if outcome == "failed":  # may be committed: a retry with the key finds it
-            raise Busy(
-                f"{item.sku}: the sale writer's batch failed",
-                retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
-            )
+            return plumbing.committed_order(record, request["write"], answer, plan, self.name)
         if outcome == "locked":
             raise RowLockTimeout(f"{item.sku}: a stock row stayed locked")
         if outcome == "invalid":
