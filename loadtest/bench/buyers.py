@@ -169,7 +169,8 @@ def buyer_process(
     backend_cpu = process_cpu_seconds(backend_pid) if backend_pid else None
     cpu = time.process_time()
     try:
-        barrier.wait(120)
+        barrier.wait(120)  # every buyer is warm: the round's counters are read now
+        barrier.wait(120)  # and the round starts
         report.started_at = time.monotonic()
         deadline = report.started_at + duration
         while True:

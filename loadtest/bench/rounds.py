@@ -222,12 +222,20 @@ def run_contender(contender: Contender, args: argparse.Namespace, round_: int) -
     host_before = redis_before = None
     started_at = time.monotonic()
     try:
+        # Two turns of the barrier: the first once every buyer is warm and waiting, so that
+        # the counters read between the two (the writer's sales among them) take in none of
+        # the warm-up and none of the round.
+        barrier.wait(120)
+        try:
+            host_before = host_cpu_times()
+            redis_before = redis_cpu_seconds()
+            if writer is not None:
+                writer.mark()
+        except BaseException:
+            barrier.abort()  # the buyers stop waiting (and report it) rather than time out
+            raise
         barrier.wait(120)
         started_at = time.monotonic()
-        host_before = host_cpu_times()
-        redis_before = redis_cpu_seconds()
-        if writer is not None:
-            writer.mark()
     except threading.BrokenBarrierError:
         pass  # a buyer failed to start: its report says why
     wait_limit = args.duration + 2 * lock_wait_allowed_seconds() + 60

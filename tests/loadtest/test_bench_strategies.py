@@ -88,6 +88,20 @@ def test_a_tiny_run_prints_every_contender_and_no_safe_one_oversells(django_db_s
         # and how evenly the buyers shared the sales: the fewest any one sold, over an even share
         assert 0.0 <= results[name]["fewest_share"] <= 1.0, results[name]
     assert json.loads(report.read_text())["broken"] == []
+    # and the writer's own count is the round's: every `lua` sale of the round went through
+    # it, and none of the warm-up's did (a `segmented` holder whose batch was refused writes
+    # its own sale, so there it may be fewer)
+    written = {
+        name: [
+            int(count)
+            for note in results[name]["notes"]
+            for count in re.findall(r"sale writer: (\d+) sales", note)
+        ]
+        for name in ("lua, sale writer", "segmented, sale writer")
+    }
+    assert written["lua, sale writer"] == [results["lua, sale writer"]["sold"]], written
+    (segmented_written,) = written["segmented, sale writer"]
+    assert 0 < segmented_written <= results["segmented, sale writer"]["sold"], written
     # (the buyers warmed up first, on sales of their own: the measured sales' orders above are
     # exactly the units they counted after the barrier)
     assert json.loads(report.read_text())["parameters"]["warmup"] == 25
