@@ -25,7 +25,9 @@ again (they come back a few hundred microseconds apart, each with its own work t
 FLASHSALE_SALE_WRITER_LINGER_US after the first of them did: buyers answered together stay
 together, in batches as large as they allow. A lone request waits for company: for the statement
 in flight, or for the linger when there is none (a web process serving a crowd rarely comes
-back with its group: taken alone, each request would cost a script and a statement).
+back with its group: taken alone, each request would cost a script and a statement). When a
+lock holder's sale is among the requests, the linger is FLASHSALE_SALE_WRITER_HOLDER_LINGER_US:
+its shard stays locked while it waits.
 One thread, because a second one only moved the batch between threads: with a taker and a
 committer the writer spent half as much CPU again per sale, in their hand-over and their turns
 at the interpreter lock, and sold no faster (docs/design.md).
@@ -245,8 +247,11 @@ class SaleWriter:
         self.commit_seconds = self.commit_cpu = 0.0
         #: The PostgreSQL backend of the writer's connection.
         self.backend_pid: int | None = None
-        #: How long to wait for the buyers of the last batch (FLASHSALE_SALE_WRITER_LINGER_US).
+        #: How long to wait for the buyers of the last batch, or for a second request beside a
+        #: lone one (FLASHSALE_SALE_WRITER_LINGER_US); shorter when a lock holder's sale is
+        #: among them (FLASHSALE_SALE_WRITER_HOLDER_LINGER_US).
         self.linger = settings.FLASHSALE_SALE_WRITER_LINGER_US / 1_000_000
+        self.holder_linger = settings.FLASHSALE_SALE_WRITER_HOLDER_LINGER_US / 1_000_000
         self._selector = selectors.DefaultSelector()
         self._stopping = threading.Event()
         self._counter = StockCounter(get_redis_client())
@@ -323,17 +328,25 @@ class SaleWriter:
         """How long the next wait may last: until the linger of a group of pending requests
         (or of a lone request) ends, else half a second (to notice `stop()`)."""
         if len(self._pending) == 1 and self._writing is None:
-            return max(0.0, self._pending_since + self.linger - time.monotonic())
+            return max(0.0, self._pending_since + self._linger() - time.monotonic())
         if len(self._pending) < 2 or self._writing is None:
             return 0.5
+        linger = self._linger()
         deadlines = [
-            group.first_back + self.linger
+            group.first_back + linger
             for group in self._pending_groups()
             if group.waiting and group.first_back is not None
         ]
         if not deadlines:
             return 0.0
         return max(0.0, min(deadlines) - time.monotonic())
+
+    def _linger(self) -> float:
+        """How long the pending requests wait for company: the holders' linger when a lock
+        holder's sale is among them (its shard is locked meanwhile), else the linger."""
+        if any("write" in request for _, request in self._pending):
+            return self.holder_linger
+        return self.linger
 
     def _pending_groups(self) -> set[_Group]:
         return {conn.group for conn, _ in self._pending if conn.group is not None}
@@ -345,19 +358,22 @@ class SaleWriter:
         over. A lone request waits for the statement in flight: whatever arrives meanwhile is
         taken with it, in one script, into one batch (one web process of many, with other
         requests to serve in between, rarely comes back with its group)."""
-        if len(self._pending) >= self.batch or not self.linger:
+        if len(self._pending) >= self.batch:
+            return True
+        linger = self._linger()
+        if not linger:
             return True
         if self._writing is None:
             # A lone request waits a moment for company (the next checkout is often on
             # its way); two or more go at once: the database waits.
-            return len(self._pending) > 1 or time.monotonic() >= self._pending_since + self.linger
+            return len(self._pending) > 1 or time.monotonic() >= self._pending_since + linger
         if len(self._pending) < 2:
             return False
         now = time.monotonic()
         for group in self._pending_groups():
             group.waiting = {conn for conn in group.waiting if not conn.closed}
             back = group.first_back
-            if group.waiting and back is not None and now < back + self.linger:
+            if group.waiting and back is not None and now < back + linger:
                 return False
         return True
 

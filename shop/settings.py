@@ -230,15 +230,22 @@ FLASHSALE_GROUP_COMMIT_BATCH = env.int("FLASHSALE_GROUP_COMMIT_BATCH", default=1
 # `lua` and `segmented` through the sale writer (`manage.py sale writer`): the unix socket it
 # listens on; empty: every web process takes and writes its own sales.
 FLASHSALE_SALE_WRITER = env.str("FLASHSALE_SALE_WRITER", default="")
-# How long the writer, while a batch's statement is in flight, waits for the buyers its last
-# answer reached to send again before it takes the ones back (microseconds; 0: never waits).
-# Buyers answered together stay together: fewer, fuller batches.
-FLASHSALE_SALE_WRITER_LINGER_US = env.int("FLASHSALE_SALE_WRITER_LINGER_US", default=1000)
-if not 0 <= FLASHSALE_SALE_WRITER_LINGER_US <= 100_000:
-    raise ImproperlyConfigured(
-        "FLASHSALE_SALE_WRITER_LINGER_US must be from 0 to 100000 (0.1 s), "
-        f"not {FLASHSALE_SALE_WRITER_LINGER_US}"
-    )
+# How long the writer waits for company for a `lua` request (microseconds; 0: never waits):
+# with a batch's statement in flight, for the buyers its last answer reached to send again
+# before it takes the ones back; with none, for a second request beside a lone one. Buyers
+# answered together stay together, and over HTTP the next checkout is a millisecond or two away:
+# fewer, fuller batches, each paying one statement.
+FLASHSALE_SALE_WRITER_LINGER_US = env.int("FLASHSALE_SALE_WRITER_LINGER_US", default=4000)
+# The same wait when a lock holder's sale (`segmented`) is among the requests: its shard stays
+# locked while it waits.
+FLASHSALE_SALE_WRITER_HOLDER_LINGER_US = env.int(
+    "FLASHSALE_SALE_WRITER_HOLDER_LINGER_US", default=1000
+)
+for _wait in ("FLASHSALE_SALE_WRITER_LINGER_US", "FLASHSALE_SALE_WRITER_HOLDER_LINGER_US"):
+    if not 0 <= globals()[_wait] <= 100_000:
+        raise ImproperlyConfigured(
+            f"{_wait} must be from 0 to 100000 (0.1 s), not {globals()[_wait]}"
+        )
 # The niceness the sale writer runs at (-20 to 19; lower runs first): every `lua` and `segmented`
 # sale waits on its one thread, and on 2 cores a woken writer otherwise queues behind web
 # workers for a CPU. Lowering it needs root, CAP_SYS_NICE or an RLIMIT_NICE of 20 - it (compose

@@ -194,6 +194,12 @@ def test_sale_command_refuses_bad_arguments_and_changes_nothing(item, args):
         ("FLASHSALE_STRIPES", "0", "FLASHSALE_STRIPES must be from 1 to 1000, not 0"),
         ("FLASHSALE_SALE_WRITER_NICE", "-21", "must be from -20 to 19, not -21"),
         ("FLASHSALE_SALE_WRITER_NICE", "20", "must be from -20 to 19, not 20"),
+        ("FLASHSALE_SALE_WRITER_LINGER_US", "-1", "must be from 0 to 100000 (0.1 s), not -1"),
+        (
+            "FLASHSALE_SALE_WRITER_HOLDER_LINGER_US",
+            "100001",
+            "FLASHSALE_SALE_WRITER_HOLDER_LINGER_US must be from 0 to 100000 (0.1 s), not 100001",
+        ),
     ],
 )
 def test_a_setting_out_of_range_is_refused_at_start(setting, value, complaint):

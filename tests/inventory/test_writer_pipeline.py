@@ -146,3 +146,52 @@ def test_a_connection_lost_mid_statement_answers_busy_and_the_writer_goes_on(wid
     audit = audit_sale("widget")
     assert audit["accepted_units"] == 2 and audit["db_stock"] == 8, audit
     assert audit["oversold"] == 0 and audit["redis_stock"] == 7, audit
+
+
+def test_a_lone_lua_request_waits_for_a_second_one_when_nothing_is_in_flight(settings):
+    # Given a writer that waits up to 30 s for company for a `lua` request
+    settings.FLASHSALE_SALE_WRITER_LINGER_US = 30_000_000
+    start_sale(sku="widget", stock=10, strategy="lua")
+    item = Item.objects.get(sku="widget")
+    with serving() as writer:
+        settings.FLASHSALE_SALE_WRITER = writer.path
+        # When one buyer checks out with no statement in flight
+        first = Checkout("widget", "ann")
+        first.start()
+        first.join(0.5)
+        # Then its units are not taken yet: it waits for company
+        assert first.is_alive() and plumbing.rows_total(item) == 10
+        assert writer.batches == 0
+
+        # and when a second buyer checks out, both go at once, in one batch
+        second = Checkout("widget", "bob")
+        second.start()
+        for checkout in (first, second):
+            checkout.join(20)
+            assert isinstance(checkout.outcome, Order), checkout.outcome
+            assert checkout.committed is True
+        assert writer.sales == 2 and writer.batches == 1
+    audit = audit_sale("widget")
+    assert audit["db_stock"] == audit["redis_stock"] == 8 and audit["consistent"], audit
+
+
+def test_a_lone_lock_holders_sale_waits_only_the_linger(settings):
+    # Given a writer that would wait 30 s for company for a `lua` request, 1 ms for a lock
+    # holder's sale
+    settings.FLASHSALE_SALE_WRITER_LINGER_US = 30_000_000
+    settings.FLASHSALE_SALE_WRITER_HOLDER_LINGER_US = 1000
+    start_sale(sku="widget", stock=10, strategy="segmented")
+    with serving() as writer:
+        settings.FLASHSALE_SALE_WRITER = writer.path
+        # When one `segmented` buyer checks out: a shard's lock holder, alone
+        checkout = Checkout("widget", "ann")
+        checkout.start()
+        checkout.join(10)
+
+        # Then its sale is written after the holders' linger: its shard stays locked while it
+        # waits
+        assert isinstance(checkout.outcome, Order), checkout.outcome
+        assert checkout.committed is True
+        assert writer.sales == 1 and writer.batches == 1
+    audit = audit_sale("widget")
+    assert audit["db_stock"] == 9 and audit["oversold"] == 0 and audit["consistent"], audit
