@@ -110,7 +110,8 @@ class BuyerReport:
     backend_cpu_seconds: float | None = None
     #: With --profile: seconds spent per phase, summed over the process's checkouts.
     timings: dict[str, float] = field(default_factory=dict)
-    #: Seconds each sale took, from the call to its return (refusals and busy answers aside).
+    #: Seconds each sale took, from the first call for its unit to the sale (the busy answers
+    #: and retries between them included).
     sale_seconds: list[float] = field(default_factory=list)
 
 

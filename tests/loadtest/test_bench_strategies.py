@@ -11,7 +11,9 @@ import time
 
 import pytest
 
-from loadtest.bench.contenders import PEERS
+from inventory.exceptions import Busy
+from loadtest.bench.buyers import buy_until_done
+from loadtest.bench.contenders import PEERS, BuyerReport
 from shop.processes.servers import PROJECT_DIR as ROOT
 from tests.conftest import server_env
 
@@ -174,3 +176,26 @@ def test_scheduled_seconds_count_a_processs_time_on_a_cpu_and_in_the_queue():
     assert after[1] >= before[1]
     # and a process that is not there has no reading
     assert scheduled_seconds(2**22 + 1) is None
+
+
+def test_a_sales_time_runs_from_the_first_call_for_its_unit_busy_answers_included():
+    # Given a buyer told busy twice (each after 20 ms) before its first unit, then sold one
+    # more at once, then told sold out
+    answers = iter(["busy", "busy", "sold", "sold", "sold out"])
+
+    def buy() -> bool:
+        answer = next(answers)
+        if answer == "busy":
+            time.sleep(0.02)
+            raise Busy("the lock stayed taken")
+        return answer == "sold"
+
+    # When it buys until done
+    report = BuyerReport()
+    buy_until_done(buy, report, duration=60)
+
+    # Then both sales and both busy answers are counted, and the first sale's time holds the
+    # waits of the busy answers before it
+    assert report.sold == 2 and report.busy == 2 and not report.capped
+    assert len(report.sale_seconds) == 2
+    assert report.sale_seconds[0] >= 0.04
