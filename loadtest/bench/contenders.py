@@ -140,6 +140,10 @@ class Result:
     #: Time one sale took, from the buyer's call to its return: median and 99th percentile.
     p50_ms: float | None = None
     p99_ms: float | None = None
+    #: ... its 99.9th percentile and the longest: the tail a p99 leaves out when under 1% of
+    #: the sales hold most of the buyers' waiting (a lock whose waiters sleep).
+    p999_ms: float | None = None
+    longest_ms: float | None = None
     #: The fewest units any one buyer sold, over an even share (sold / buyers): 1.0 when every
     #: buyer got its turn alike, 0 when one never did. A p99 over the sales made hides the
     #: buyer that made none.

@@ -40,6 +40,10 @@ def ratios(rows: dict[str, Result], work_ms: int = 0) -> list[dict[str, Any]]:
             if row is not None and versus_row is not None and row.p99_ms and versus_row.p99_ms:
                 check["ratio"] = row.p99_ms / versus_row.p99_ms
                 check["met"] = check["ratio"] <= target
+                check["tail"] = {
+                    name: (each.p999_ms, each.longest_ms)
+                    for name, each in ((name, row), (versus, versus_row))
+                }
         elif row is not None and versus_row is not None and versus_row.buys_per_second:
             check["ratio"] = row.buys_per_second / versus_row.buys_per_second
             if target is not None:
@@ -132,3 +136,11 @@ def print_ratios(checks: list[dict[str, Any]]) -> None:
             sign = "<=" if check["measure"] == "p99" else ">="
             line += f"  (target {sign} {check['target']:.2f}x): {verdict}"
         print(line)
+        if "tail" in check:
+            print(
+                "    its tail, ms: "
+                + "; ".join(
+                    f"{name} p99.9 {_format(p999, '.1f')}, longest {_format(longest, '.1f')}"
+                    for name, (p999, longest) in check["tail"].items()
+                )
+            )

@@ -313,6 +313,8 @@ def run_contender(contender: Contender, args: argparse.Namespace, round_: int) -
         host_cpu_busy=host_busy,
         p50_ms=percentile_ms(durations, 0.50),
         p99_ms=percentile_ms(durations, 0.99),
+        p999_ms=percentile_ms(durations, 0.999),
+        longest_ms=1000 * durations[-1] if durations else None,
         fewest_share=min(report.sold for report in buyers) * len(buyers) / sold
         if sold and buyers and not missing
         else None,

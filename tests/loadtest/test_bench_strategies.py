@@ -69,6 +69,12 @@ def test_a_tiny_run_prints_every_contender_and_no_safe_one_oversells(django_db_s
         assert rows[name]["consistent"] == "yes", rows[name].string
     assert result.stdout.count("(target >= ") == 5, result.stdout
     assert result.stdout.count("(target <= ") == 1, result.stdout
+    # with the tail of both sides of the p99 target beside it
+    assert re.search(
+        r"its tail, ms: lock p99\.9 \d+\.\d, longest \d+\.\d; "
+        r"redis-py Lock sleep=0\.1 p99\.9 \d+\.\d, longest \d+\.\d",
+        result.stdout,
+    ), result.stdout
     assert re.search(r"lua, sale writer\s+vs hot row \(SQL\)\s+\d+\.\d\dx", result.stdout)
     assert re.search(r"lua\s+vs hot row \(SQL\)\s+\d+\.\d\dx", result.stdout), result.stdout
     assert re.search(r"segmented, sale writer\s+vs lock\s+\d+\.\d\dx", result.stdout)
