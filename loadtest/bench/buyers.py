@@ -120,8 +120,7 @@ def _buyer(contender: Contender, sku: str, worker: int) -> Callable[[], bool]:
 def buy_until_done(buy: Callable[[], bool], report: BuyerReport, duration: float) -> None:
     """Buy one unit at a time until sold out or `duration` is up. Each sale's time runs from
     the first call for its unit to the sale: a buyer told `busy` asks again for the same unit,
-    so its busy answers and their waits are the sale's (a lock that keeps some buyers out until
-    their wait runs out shows it in the p99, not only in `fewest`)."""
+    so its busy answers and their waits are the sale's."""
     from inventory.exceptions import Busy
 
     report.started_at = time.monotonic()

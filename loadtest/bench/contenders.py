@@ -137,7 +137,8 @@ class Result:
     postgres_cpu_ms_per_buy: float | None
     redis_cpu_ms_per_buy: float | None
     host_cpu_busy: float | None
-    #: Time one sale took, from the buyer's call to its return: median and 99th percentile.
+    #: Time one sale took, from the buyer's first call for its unit to the sale: median and
+    #: 99th percentile.
     p50_ms: float | None = None
     p99_ms: float | None = None
     #: ... its 99.9th percentile and the longest: the tail a p99 leaves out when under 1% of
