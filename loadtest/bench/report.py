@@ -41,8 +41,8 @@ def ratios(rows: dict[str, Result], work_ms: int = 0) -> list[dict[str, Any]]:
                 check["ratio"] = row.p99_ms / versus_row.p99_ms
                 check["met"] = check["ratio"] <= target
                 check["tail"] = {
-                    name: (each.p999_ms, each.longest_ms)
-                    for name, each in ((name, row), (versus, versus_row))
+                    name: (row.p999_ms, row.longest_ms),
+                    versus: (versus_row.p999_ms, versus_row.longest_ms),
                 }
         elif row is not None and versus_row is not None and versus_row.buys_per_second:
             check["ratio"] = row.buys_per_second / versus_row.buys_per_second

@@ -314,7 +314,7 @@ def run_contender(contender: Contender, args: argparse.Namespace, round_: int) -
         p50_ms=percentile_ms(durations, 0.50),
         p99_ms=percentile_ms(durations, 0.99),
         p999_ms=percentile_ms(durations, 0.999),
-        longest_ms=1000 * durations[-1] if durations else None,
+        longest_ms=percentile_ms(durations, 1.0),
         fewest_share=min(report.sold for report in buyers) * len(buyers) / sold
         if sold and buyers and not missing
         else None,
