@@ -12,8 +12,10 @@ orders to the order workers (`orders.orders_placed`: the buyers' processes publi
 A `segmented` checkout holding a shard's lock sends its sale the same way (`write_request`):
 the rows it holds and their fencing tokens, no take. It joins the batch as it is, its rows
 fenced in the statement as in its own, and is answered with their levels after the commit (its
-hints). Ten shards let ten holders wait on the writer at once, and their sales share commits: a
-single lock (`lock`) has one holder at a time and nothing to share, so it writes its own. A
+hints). The locks it names (`write_request`'s `releases`) the writer releases right after that
+commit, the hints copied with them (`_release`). Ten shards let ten holders wait on the writer
+at once, and their sales share commits: a single lock (`lock`) has one holder at a time and
+nothing to share, so it writes its own. A
 holder whose batch was refused (a row short, a token refused) is answered `again` and writes
 its sale itself, still under its locks: that write tells it which.
 
@@ -61,6 +63,7 @@ from django.conf import settings
 from django.db import close_old_connections, connection
 from redis.exceptions import ResponseError
 
+from locking import release_call, scripts
 from locking.counter import Claim, StockCounter, Take
 
 from . import keys, stock
@@ -70,6 +73,9 @@ logger = logging.getLogger(__name__)
 
 #: Longest line either side sends; a longer one is a protocol error.
 MAX_LINE = 64 * 1024
+
+#: What a release of holders' locks may fail with: then their holders release them.
+_RELEASE_ERRORS: tuple[type[Exception], ...] = (*REDIS_DOWN_ERRORS, ResponseError)
 
 
 class WriterUnavailable(Exception):
@@ -167,18 +173,29 @@ def client() -> WriterClient | None:
 
 
 def write_request(
-    sale: dict[str, Any], rows: dict[int, int], fences: dict[int, int] | None
+    sale: dict[str, Any],
+    rows: dict[int, int],
+    fences: dict[int, int] | None,
+    releases: dict[int, list[str]] | None = None,
 ) -> dict[str, Any]:
     """What a lock holder sends (`segmented`): the sale to write from the rows it holds the
     locks of ({index: units}), fenced by their tokens; no take, its units are the rows'. It is
-    answered once committed, with its rows' levels and versions after the batch."""
-    return {
+    answered once committed, with its rows' levels and versions after the batch.
+
+    `releases` ({index: [lock name, owner token, hint key]}, `plumbing.writer_releases`): the
+    locks the writer is to release once the sale is committed, each with its row's level copied
+    to the hint in the same call; the answer's `released` names those it released, which the
+    holder then forgets (`Lock.released_elsewhere`), and it releases the others itself."""
+    request: dict[str, Any] = {
         "write": {
             **sale,
             "rows": {str(index): units for index, units in rows.items()},
             "fences": {str(index): fence for index, fence in (fences or {}).items()},
         }
     }
+    if releases:
+        request["release"] = {str(index): held for index, held in releases.items()}
+    return request
 
 
 def sale_request(
@@ -229,6 +246,8 @@ class _Connection:
 class _Sale:
     conn: _Connection
     request: dict[str, Any]  # what sell_batch takes, with its rows
+    #: A lock holder's locks to release once the sale is committed (`write_request`).
+    release: dict[str, list[str]] | None = None
 
 
 class SaleWriter:
@@ -241,6 +260,8 @@ class SaleWriter:
         self.batches = 0
         #: Orders handed to the order workers (`_hand_over`).
         self.handed = 0
+        #: Lock holders' locks released after their sales' commits (`_release`).
+        self.released = 0
         #: Wall and CPU seconds spent taking (the scripts) and committing: from a statement's
         #: sending to its answer (wall), and the writer's own part of that (CPU).
         self.take_seconds = self.take_cpu = 0.0
@@ -461,6 +482,7 @@ class SaleWriter:
             "sales": self.sales,
             "batches": self.batches,
             "handed": self.handed,
+            "released": self.released,
             "take_seconds": self.take_seconds,
             "take_cpu_seconds": self.take_cpu,
             "commit_seconds": self.commit_seconds,
@@ -483,7 +505,7 @@ class SaleWriter:
         for conn, request in arrived:
             if "write" in request:  # a lock holder's sale: its units are its rows' already
                 try:
-                    self._taken.append(_Sale(conn, _write_of(request)))
+                    self._taken.append(_Sale(conn, *_write_of(request)))
                 except (KeyError, TypeError, ValueError) as exc:
                     self._answer(conn, {"o": "invalid", "e": repr(exc)})
                 continue
@@ -572,17 +594,57 @@ class SaleWriter:
         if self._taken:
             self._send()  # the database's turn again before the buyers' (they can wait)
         cpu0 = time.thread_time()
-        self._answer_batch(sales, answers)
+        released = self._release(sales, answers)
+        self._answer_batch(sales, answers, released)
         self.commit_cpu += time.thread_time() - cpu0
 
-    def _answer_batch(self, sales: list[_Sale], answers: list[dict[str, Any]]) -> None:
+    def _release(self, sales: list[_Sale], answers: list[dict[str, Any]]) -> dict[int, list[str]]:
+        """Release the locks of the holders whose sales were committed, as they asked, each with
+        its row's level copied to its hint, in one round trip; {sale's place in the batch: the
+        indexes of its rows whose locks were released}. A holder's own release would wait for
+        its process to be woken and run, its shard locked meanwhile. When Redis fails, none
+        is: the holders release their locks themselves (a release that ran finds its token
+        gone and does nothing)."""
+        calls = []
+        for place, (sale, answer) in enumerate(zip(sales, answers, strict=True)):
+            if sale.release is None or answer["o"] != "sold":
+                continue
+            for index, (name, token, hint) in sale.release.items():
+                left, version = answer["levels"][index]
+                after = StockCounter.set_newer_call({hint: (left, version)})
+                calls.append((place, index, release_call(name, token, after=after)))
+        if not calls:
+            return {}
+        client = self._counter.redis
+        pipe = client.pipeline(transaction=False)
+        for _, _, (source, keys_, args) in calls:
+            scripts.script_for(client, source)(keys=keys_, args=args, client=pipe)
+        try:
+            pipe.execute()
+        except _RELEASE_ERRORS as exc:
+            logger.warning("sale writer: could not release %d locks (%s)", len(calls), exc)
+            return {}
+        released: dict[int, list[str]] = {}
+        for place, index, _ in calls:
+            released.setdefault(place, []).append(index)
+        self.released += len(calls)
+        return released
+
+    def _answer_batch(
+        self,
+        sales: list[_Sale],
+        answers: list[dict[str, Any]],
+        released: dict[int, list[str]] | None = None,
+    ) -> None:
         self.batches += 1
         group = _Group()
         sold = [answer["id"] for answer in answers if answer["o"] == "sold"]
         self.sales += len(sold)
-        for sale, answer in zip(sales, answers, strict=True):
+        for place, (sale, answer) in enumerate(zip(sales, answers, strict=True)):
             if answer["o"] == "sold":
                 answer = {**answer, "handed": True}
+                if released and place in released:
+                    answer["released"] = released[place]
             self._answer(sale.conn, {**answer, "rows": sale.request["rows"]})
             if not sale.conn.closed:
                 sale.conn.group = group
@@ -634,10 +696,22 @@ def take_priority(nice: int) -> str | None:
     return None
 
 
-def _write_of(request: dict[str, Any]) -> dict[str, Any]:
+def _write_of(request: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[str]] | None]:
     """The sale a lock holder's request asks to write (`write_request`), checked: its rows
-    ({index: units}, units above 0) and their fencing tokens. Raises KeyError, TypeError or
+    ({index: units}, units above 0) and their fencing tokens; and the locks to release after
+    it, {index: [name, token, hint]}, each of a row it writes. Raises KeyError, TypeError or
     ValueError for one that is not well formed."""
+    release = request.get("release")
+    if release is not None:
+        if not isinstance(release, dict):
+            raise ValueError("release names {index: [lock, token, hint]}")
+        for index, held in release.items():
+            if (
+                not isinstance(held, list)
+                or len(held) != 3
+                or not all(isinstance(part, str) and part for part in held)
+            ):
+                raise ValueError(f"release of row {index!r}: {held!r}")
     sale = request["write"]
     if not isinstance(sale, dict) or type(sale.get("sale")) is not int:
         raise ValueError("no sale to write")
@@ -650,7 +724,10 @@ def _write_of(request: dict[str, Any]) -> dict[str, Any]:
     for index, fence in fences.items():
         if index not in rows or type(fence) is not int:
             raise ValueError(f"fence {fence!r} for row {index!r}")
-    return {**sale, "levels": True}
+    for index in release or {}:
+        if index not in rows:
+            raise ValueError(f"release of row {index!r}, which the sale does not write")
+    return {**sale, "levels": True}, release or None
 
 
 def _take_of(request: dict[str, Any]) -> Take:

@@ -256,6 +256,7 @@ class Lock:
         self.max_wait_slice = (
             float(max_wait_slice) if max_wait_slice is not None else _default_slice(redis)
         )
+        # The keys `release_call` names beside the lock's own.
         self.queue_name = f"{name}:queue"
         self.waiters_name = f"{name}:waiters"
         # Built from the encoded name, as the release script builds it from KEYS[1].
@@ -602,18 +603,31 @@ class Lock:
                     return  # taken more than once: still held
                 del _reentries.held[self._reentry_key]
         self._stop_watchdog()
-        keys: list[Any] = [self.name, self.queue_name, self.waiters_name]
-        args: list[Any] = [expected, WAKE_TTL_MS]
-        script = self._release_script
-        if after is not None:
-            source, before_keys, before_args = after
-            script = scripts.script_for(self.redis, scripts.release_after(source))
-            keys, args = [*before_keys, *keys], [*before_args, *args]
+        source, keys, args = release_call(self.name, expected, after=after)
+        script = self._release_script if after is None else scripts.script_for(self.redis, source)
         released = script(keys=keys, args=args, client=self.redis)
         if not released:
             raise LockNotOwnedError(
                 "Cannot release a lock that's no longer owned", lock_name=self.name
             )
+
+    def released_elsewhere(self) -> None:
+        """Forget the current acquisition without a call to Redis: another process has
+        released the lock with its token (`release_call`), e.g. the one that committed the
+        work done under it. Stops the watchdog, as ``release`` does; a renewal that ran between
+        that release and this call reports the lock lost.
+
+        Raises LockError if this lock was not acquired, or is reentrant (a process other than
+        the holder cannot know how many times it was taken).
+        """
+        if self.local.token is None or self.reentrant:
+            raise LockError(
+                "Only a lock held once, and not reentrant, can be released elsewhere",
+                lock_name=self.name,
+            )
+        self.local.token = None
+        self.local.fence = None
+        self._stop_watchdog()
 
     def extend(self, additional_time: Number, replace_ttl: bool = False) -> Literal[True]:
         """Add ``additional_time`` seconds to the TTL (or set it, with ``replace_ttl``).
@@ -676,6 +690,24 @@ class Lock:
             # At most one renewal is in flight; the watchdog cannot act after the stop
             # flag is set (see _watch), so a slow join is only a delay, not a risk.
             thread.join(timeout=1.0)
+
+
+def release_call(
+    name: str, token: str | bytes, *, after: tuple[str, list[Any], list[Any]] | None = None
+) -> tuple[str, list[Any], list[Any]]:
+    """What ``Lock.release`` sends for the lock ``name`` held with ``token`` (and ``after``, run
+    first in the same call), as (script source, keys, arguments): for a process that releases
+    locks other processes took, several to a round trip (a pipeline). The holders then call
+    ``Lock.released_elsewhere``. Its answer is the release's (`scripts.RELEASE`): 2 when the
+    lock went to the first waiter, 1 when it was deleted, 0 when ``token`` no longer held it
+    (then only a queue entry of ``token`` is withdrawn). On a cluster ``after``'s keys must
+    share the lock's slot."""
+    keys: list[Any] = [name, f"{name}:queue", f"{name}:waiters"]
+    args: list[Any] = [token, WAKE_TTL_MS]
+    if after is None:
+        return scripts.RELEASE, keys, args
+    source, before_keys, before_args = after
+    return scripts.release_after(source), [*before_keys, *keys], [*before_args, *args]
 
 
 class _WatchdogStart:

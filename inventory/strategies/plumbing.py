@@ -177,10 +177,7 @@ def release_quietly(lock: Lock, *, after: tuple[str, list[Any], list[Any]] | Non
     """Release after the work is done; by then a failure must not undo a committed order.
     `after`: a script call to send with the release (`Lock.release(after=...)`)."""
     token = lock.local.token  # release() forgets it before it talks to Redis
-    held_since = _held_since.pop(lock, None)
-    if held_since is not None:
-        hold = time.perf_counter() - held_since
-        metrics.LOCK_HOLD.labels(_lock_strategy.get(lock, "none")).observe(hold)
+    _record_hold(lock)
     try:
         if after is None:
             lock.release()  # (a peer's lock, in the benchmark, takes no `after`)
@@ -194,6 +191,20 @@ def release_quietly(lock: Lock, *, after: tuple[str, list[Any], list[Any]] | Non
             with _unsettled_lock:
                 _unsettled.add((lock.name, token))
         logger.warning("could not release %s: Redis is down; released on recovery", lock.name)
+
+
+def released_by_writer(lock: Lock) -> None:
+    """The sale writer released `lock` with its token after committing the sale made under it
+    (`writer_releases`): forget it here, with no call to Redis."""
+    _record_hold(lock)
+    lock.released_elsewhere()
+
+
+def _record_hold(lock: Lock) -> None:
+    held_since = _held_since.pop(lock, None)
+    if held_since is not None:
+        hold = time.perf_counter() - held_since
+        metrics.LOCK_HOLD.labels(_lock_strategy.get(lock, "none")).observe(hold)
 
 
 def release_unsettled_locks() -> None:
@@ -287,6 +298,21 @@ def release_with_hints(item: Item, locks: dict[int, Lock], rows: dict[int, Stock
             logger.warning("could not update %s shard hints: Redis is down", item.sku)
     for index, lock in locks.items():
         release_quietly(lock, after=paired.get(index))
+
+
+def writer_releases(item: Item, locks: dict[int, Lock]) -> dict[int, list[str]]:
+    """What a shard holder asks the sale writer to release once its sale is committed, by shard
+    index: the lock's name, the holder's token and the shard's hint, which the writer copies
+    the row's level to in the same call (as `release_with_hints` does). Only locks of ours held
+    once (a peer's lock, in the benchmark, releases its own way), and not on a Redis Cluster,
+    where the writer's one round trip would span slots."""
+    if is_cluster(get_redis_client()):
+        return {}
+    return {
+        index: [lock.name, lock.local.token.decode(), keys.row(item, index)]
+        for index, lock in locks.items()
+        if type(lock) is Lock and not lock.reentrant and lock.local.token is not None
+    }
 
 
 def refresh_hints(

@@ -221,7 +221,7 @@ class SegmentedStrategy(StockStrategy):
             if None not in fences.values()
             else None
         )
-        order = self._written(item, record, plan, shard_fences, hints)
+        order = self._written(item, record, plan, shard_fences, locks, hints)
         if order is not None:
             return order
         try:
@@ -253,27 +253,41 @@ class SegmentedStrategy(StockStrategy):
         record: RecordOrder,
         plan: dict[int, int],
         shard_fences: dict[int, int] | None,
+        locks: dict[int, Lock],
         hints: dict[int, StockRow],
     ) -> Order | None:
         """The sale written by the sale writer (FLASHSALE_SALE_WRITER), in a commit shared
         with the other shards' holders of every web process and with `lua`'s sales: the
         committed order, its rows' levels in `hints`. None when no writer is configured or
         reachable, or when it answers `again` (its batch was refused: a row short or a token
-        refused): then the holder writes the sale itself, still under its locks."""
+        refused): then the holder writes the sale itself, still under its locks.
+
+        The writer releases the locks (`plumbing.writer_releases`) right after the commit,
+        their hints copied with them: they leave `locks`, and only the others are released
+        here, with their hints from `hints`."""
         sale_writer = writer.client()
         if sale_writer is None:
             return None
-        request = writer.write_request(record.request(served_by=self.name), plan, shard_fences)
+        request = writer.write_request(
+            record.request(served_by=self.name),
+            plan,
+            shard_fences,
+            plumbing.writer_releases(item, {index: locks[index] for index in plan}),
+        )
         try:
             answer = plumbing.ask_writer(sale_writer, request, item.sku)
         except writer.WriterUnavailable:
             return None
         outcome = answer["o"]
         if outcome == "sold":
+            released = {int(index) for index in answer.get("released") or ()}
+            for index in released:
+                plumbing.released_by_writer(locks.pop(index))
             hints.update(
                 {
                     int(index): StockRow(stock=left, version=version)
                     for index, (left, version) in answer["levels"].items()
+                    if int(index) not in released
                 }
             )
             return plumbing.committed_order(record, request["write"], answer, plan, self.name)

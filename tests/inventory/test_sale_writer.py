@@ -15,9 +15,12 @@ import time
 import uuid
 
 import pytest
+import redis
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.utils import timezone
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from inventory import keys, stock
 from inventory.exceptions import Busy
@@ -26,7 +29,7 @@ from inventory.orders import reconcile_sale
 from inventory.redis_client import get_redis_client
 from inventory.selectors import audit_sale
 from inventory.services import place_order, start_sale
-from inventory.strategies import plumbing
+from inventory.strategies import plumbing, segmented
 from inventory.writer import write_request, writer_stats
 from loadtest.flood import flood
 from shop.processes.servers import SaleWriter as SaleWriterProcess
@@ -446,9 +449,101 @@ def test_a_segmented_checkout_through_the_writer_copies_its_row_s_level(writer_i
     assert audit["db_stock"] == audit["redis_stock"] == 47 and audit["consistent"], audit
 
 
+def test_the_writer_releases_a_holder_s_lock_with_its_commit(writer_in_thread):
+    start_sale(sku="widget", stock=50, strategy="segmented")  # 5 units a shard
+    item = Item.objects.get(sku="widget")
+
+    order = place_order(sku="widget", qty=2, buyer="ann").order
+
+    # The writer committed the sale and released the shard's lock right after, its hint
+    # copied with it: the holder let go without a call of its own to Redis
+    (index,) = (int(index) for index in order.shard_units)
+    assert writer_in_thread.sales == 1 and writer_in_thread.released == 1
+    client = get_redis_client()
+    assert not any(client.exists(name) for name in keys.shard_locks(item))
+    row = stock.shard_rows(item.current_sale_id, [index])[index]
+    assert plumbing.counter().get(keys.row(item, index)) == row.stock == 3
+    assert writer_stats(writer_in_thread.path)["released"] == 1
+
+
+def test_the_writer_hands_a_released_shard_lock_to_its_first_waiter(writer_in_thread):
+    # Given shard 0's lock held by a holder, and a buyer queued for it in another thread
+    start_sale(sku="widget", stock=20, strategy="segmented")
+    item = Item.objects.get(sku="widget")
+    holder = segmented.shard_lock(item, 0)
+    assert holder.acquire(blocking=False)
+    waiter = segmented.shard_lock(item, 0)
+    client = get_redis_client()
+    got: list[tuple[bool, bytes, bytes]] = []
+
+    def wait_for_it() -> None:
+        acquired = waiter.acquire(blocking_timeout=10)
+        # (the token is the thread's own)
+        got.append((acquired, waiter.local.token, client.get(waiter.name)))
+        if acquired:
+            waiter.release()
+
+    queued = threading.Thread(target=wait_for_it)
+    queued.start()
+    deadline = time.monotonic() + 5
+    while not client.llen(holder.queue_name) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert client.llen(holder.queue_name) == 1
+
+    # When the holder's sale goes to the writer, which is to release the lock after it
+    sale = {**_holder_request(item, "ann", {0: 1}, {}), "fences": {}}
+    del sale["levels"], sale["rows"], sale["fences"]
+    request = write_request(
+        sale, {0: 1}, {0: holder.fence}, plumbing.writer_releases(item, {0: holder})
+    )
+    answer = _raw(writer_in_thread.path, json.dumps(request).encode() + b"\n")
+
+    # Then the sale is committed and the lock released: handed to the waiter, which holds
+    # it now, and the hint is the row's level
+    assert answer["o"] == "sold" and answer["released"] == ["0"], answer
+    queued.join(10)
+    ((acquired, token, stored),) = got
+    assert acquired and stored == token
+    assert plumbing.counter().get(keys.row(item, 0)) == 1  # 2 a shard, one sold
+
+
+def test_a_holder_releases_its_lock_itself_when_the_writer_cannot(writer_in_thread):
+    # Given a writer whose Redis stops answering (a holder's sale needs no take: only the
+    # release after its commit goes to Redis)
+    start_sale(sku="widget", stock=50, strategy="segmented")
+    item = Item.objects.get(sku="widget")
+    writer_in_thread._counter.redis = redis.Redis(
+        port=_unused_port(),
+        socket_connect_timeout=0.2,
+        socket_timeout=0.2,
+        retry=Retry(NoBackoff(), 0),  # as the shop's client (`get_redis_client`)
+    )
+
+    order = place_order(sku="widget", qty=1, buyer="ann").order
+
+    # Then the sale is committed, and its holder released the lock and copied the hint itself
+    (index,) = (int(index) for index in order.shard_units)
+    assert writer_in_thread.sales == 1 and writer_in_thread.released == 0
+    client = get_redis_client()
+    assert not any(client.exists(name) for name in keys.shard_locks(item))
+    assert plumbing.counter().get(keys.row(item, index)) == 4
+    audit = audit_sale("widget")
+    assert audit["db_stock"] == audit["redis_stock"] == 49 and audit["consistent"], audit
+
+
+def _unused_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 @pytest.mark.parametrize(
     ("change", "why"),
     [
+        ({"release": {"1": ["lock", "token", "hint"]}}, "release of row '1'"),
+        ({"release": {"0": ["lock", 7, "hint"]}}, "release of row '0'"),
+        ({"release": {"0": ["lock", "token"]}}, "release of row '0'"),
+        ({"release": ["lock"]}, "release names"),
         ({"write": 3}, "no sale to write"),
         ({"rows": {}}, "names its rows"),
         ({"rows": {"x": 1}}, "row 'x'"),
@@ -467,6 +562,8 @@ def test_the_writer_refuses_bad_writes_and_writes_nothing(writer_in_thread, chan
     )
     if "write" in change:
         request = change
+    elif "release" in change:
+        request.update(change)
     else:
         request["write"].update(change)
 

@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import redis
-from redis.exceptions import LockNotOwnedError
+from redis.exceptions import LockError, LockNotOwnedError
 
-from locking import Lock
+from locking import Lock, release_call
 from shop.processes.redis_server import RedisServer
 from tests.support import gather_from_processes, redis_url, run_in_thread
 
@@ -694,3 +694,60 @@ def test_a_reentrant_release_still_held_sends_its_script_alone(r: redis.Redis, p
 
     outer.release(after=(_COPY, [copy, runs], ["outer"]))
     assert r.get(copy) == b"outer" and r.exists(name) == 0 and int(r.get(runs)) == 2
+
+
+def test_a_lock_released_by_another_process_s_pipeline_goes_to_its_waiter(
+    r: redis.Redis, prefix: str, clients: Callable[..., redis.Redis]
+) -> None:
+    # Given two holders of two locks, and a waiter queued behind the first
+    first, second = Lock(r, prefix + "first", timeout=10), Lock(r, prefix + "second", timeout=10)
+    assert first.acquire() and second.acquire()
+    other = clients()
+    waiter = Lock(other, first.name, timeout=10)
+
+    def take() -> bytes | None:
+        assert waiter.acquire(blocking_timeout=10)
+        try:
+            return other.get(prefix + "first:copy")
+        finally:
+            waiter.release()
+
+    thread, outcome = run_in_thread(take)
+    deadline = time.monotonic() + 5
+    while r.llen(first.queue_name) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert r.llen(first.queue_name) == 1
+
+    # When another process releases both with their tokens in one pipeline, a copy with the
+    # first, and each holder then forgets its lock
+    releaser = clients()
+    pipe = releaser.pipeline(transaction=False)
+    for lock, after in (
+        (first, (_COPY, [prefix + "first:copy", prefix + "first:runs"], ["level-2"])),
+        (second, None),
+    ):
+        source, keys, args = release_call(lock.name, lock.local.token, after=after)
+        releaser.register_script(source)(keys=keys, args=args, client=pipe)
+    assert pipe.execute() == [2, 1]  # the first handed to its waiter, the second deleted
+    first.released_elsewhere()
+    second.released_elsewhere()
+    thread.join(10)
+
+    # Then the waiter got the first by hand-over and found the copy made, the second is free,
+    # and neither holder holds anything any more
+    assert outcome.get("result") == b"level-2", outcome
+    assert r.exists(second.name) == 0
+    assert first.local.token is None and second.local.token is None
+    with pytest.raises(LockError):
+        first.released_elsewhere()
+    with pytest.raises(LockError):
+        first.release()
+
+
+def test_a_reentrant_lock_cannot_be_released_elsewhere(r: redis.Redis, prefix: str) -> None:
+    lock = Lock(r, prefix + "mine", timeout=10, reentrant=True)
+    assert lock.acquire()
+    with pytest.raises(LockError):
+        lock.released_elsewhere()
+    lock.release()
+    assert r.exists(lock.name) == 0
