@@ -63,7 +63,7 @@ from django.conf import settings
 from django.db import close_old_connections, connection
 from redis.exceptions import ResponseError
 
-from locking import release_call, scripts
+from locking import release_each_call, scripts
 from locking.counter import Claim, StockCounter, Take
 
 from . import keys, stock
@@ -600,34 +600,34 @@ class SaleWriter:
 
     def _release(self, sales: list[_Sale], answers: list[dict[str, Any]]) -> dict[int, list[str]]:
         """Release the locks of the holders whose sales were committed, as they asked, each with
-        its row's level copied to its hint, in one round trip; {sale's place in the batch: the
+        its row's level copied to its hint, in one script call; {sale's place in the batch: the
         indexes of its rows whose locks were released}. A holder's own release would wait for
         its process to be woken and run, its shard locked meanwhile. When Redis fails, none
         is: the holders release their locks themselves (a release that ran finds its token
         gone and does nothing)."""
-        calls = []
+        held: list[tuple[int, str]] = []
+        releases = []
         for place, (sale, answer) in enumerate(zip(sales, answers, strict=True)):
             if sale.release is None or answer["o"] != "sold":
                 continue
             for index, (name, token, hint) in sale.release.items():
                 left, version = answer["levels"][index]
-                after = StockCounter.set_newer_call({hint: (left, version)})
-                calls.append((place, index, release_call(name, token, after=after)))
-        if not calls:
+                _, hint_keys, hint_args = StockCounter.set_newer_call({hint: (left, version)})
+                held.append((place, index))
+                releases.append((name, token, hint_keys, hint_args))
+        if not releases:
             return {}
+        source, keys_, args = release_each_call(scripts.STOCK_SET_NEWER, releases)
         client = self._counter.redis
-        pipe = client.pipeline(transaction=False)
-        for _, _, (source, keys_, args) in calls:
-            scripts.script_for(client, source)(keys=keys_, args=args, client=pipe)
         try:
-            pipe.execute()
+            scripts.script_for(client, source)(keys=keys_, args=args)
         except _RELEASE_ERRORS as exc:
-            logger.warning("sale writer: could not release %d locks (%s)", len(calls), exc)
+            logger.warning("sale writer: could not release %d locks (%s)", len(releases), exc)
             return {}
         released: dict[int, list[str]] = {}
-        for place, index, _ in calls:
+        for place, index in held:
             released.setdefault(place, []).append(index)
-        self.released += len(calls)
+        self.released += len(releases)
         return released
 
     def _answer_batch(

@@ -8,7 +8,7 @@ errors from :class:`Lock` exactly as it does from :class:`redis.lock.Lock`.
 from redis.exceptions import LockError, LockNotOwnedError
 
 from .counter import Claim, KeyClaimed, StockCounter
-from .lock import Lock, release_call
+from .lock import Lock, release_each_call
 from .quorum import ProcessFences, QuorumLock
 
 __all__ = [
@@ -20,5 +20,5 @@ __all__ = [
     "ProcessFences",
     "QuorumLock",
     "StockCounter",
-    "release_call",
+    "release_each_call",
 ]

@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace, TracebackType
 from typing import Any, Literal
 
@@ -256,7 +256,7 @@ class Lock:
         self.max_wait_slice = (
             float(max_wait_slice) if max_wait_slice is not None else _default_slice(redis)
         )
-        # The keys `release_call` names beside the lock's own.
+        # The keys a release names beside the lock's own (`_release_call`).
         self.queue_name = f"{name}:queue"
         self.waiters_name = f"{name}:waiters"
         # Built from the encoded name, as the release script builds it from KEYS[1].
@@ -603,7 +603,7 @@ class Lock:
                     return  # taken more than once: still held
                 del _reentries.held[self._reentry_key]
         self._stop_watchdog()
-        source, keys, args = release_call(self.name, expected, after=after)
+        source, keys, args = _release_call(self.name, expected, after=after)
         script = self._release_script if after is None else scripts.script_for(self.redis, source)
         released = script(keys=keys, args=args, client=self.redis)
         if not released:
@@ -613,7 +613,7 @@ class Lock:
 
     def released_elsewhere(self) -> None:
         """Forget the current acquisition without a call to Redis: another process has
-        released the lock with its token (`release_call`), e.g. the one that committed the
+        released the lock with its token (`release_each_call`), e.g. the one that committed the
         work done under it. Stops the watchdog, as ``release`` does; a renewal that ran between
         that release and this call reports the lock lost.
 
@@ -692,22 +692,37 @@ class Lock:
             thread.join(timeout=1.0)
 
 
-def release_call(
+def _release_call(
     name: str, token: str | bytes, *, after: tuple[str, list[Any], list[Any]] | None = None
 ) -> tuple[str, list[Any], list[Any]]:
     """What ``Lock.release`` sends for the lock ``name`` held with ``token`` (and ``after``, run
-    first in the same call), as (script source, keys, arguments): for a process that releases
-    locks other processes took, several to a round trip (a pipeline). The holders then call
-    ``Lock.released_elsewhere``. Its answer is the release's (`scripts.RELEASE`): 2 when the
-    lock went to the first waiter, 1 when it was deleted, 0 when ``token`` no longer held it
-    (then only a queue entry of ``token`` is withdrawn). On a cluster ``after``'s keys must
-    share the lock's slot."""
+    first in the same call), as (script source, keys, arguments)."""
     keys: list[Any] = [name, f"{name}:queue", f"{name}:waiters"]
     args: list[Any] = [token, WAKE_TTL_MS]
     if after is None:
         return scripts.RELEASE, keys, args
     source, before_keys, before_args = after
     return scripts.release_after(source), [*before_keys, *keys], [*before_args, *args]
+
+
+def release_each_call(
+    prelude: str, releases: Sequence[tuple[str, str | bytes, list[Any], list[Any]]]
+) -> tuple[str, list[Any], list[Any]]:
+    """One script call that releases several locks other processes took, each as
+    ``Lock.release(after=(prelude, keys, args))`` would, hand-over included: ``releases`` holds,
+    for each lock, its name, the token it is held with and ``prelude``'s keys and arguments for
+    it. Returned as (script source, keys, arguments) (`scripts.release_each`). The holders then
+    call ``Lock.released_elsewhere``. Its answer is a list of the releases' answers
+    (`scripts.RELEASE`): 2 when a lock went to its first waiter, 1 when it was deleted, 0 when
+    its token no longer held it (then only a queue entry of the token is withdrawn). Not for a
+    Redis Cluster: the keys of one call must share a slot there."""
+    keys: list[Any] = []
+    args: list[Any] = [len(releases)]
+    for name, token, prelude_keys, prelude_args in releases:
+        _, release_keys, release_args = _release_call(name, token)
+        keys += [*prelude_keys, *release_keys]
+        args += [len(prelude_keys), len(prelude_args), *prelude_args, *release_args]
+    return scripts.release_each(prelude), keys, args
 
 
 class _WatchdogStart:

@@ -605,6 +605,32 @@ return release({unpack(KEYS, nk + 1)}, {unpack(ARGV, na + 1)})
     )
 
 
+def release_each(prelude: str) -> str:
+    """A script that does what `release_after(prelude)` does for each of several locks, in one
+    call: for each, `prelude` on its keys and arguments, then RELEASE. ARGV[1] is the number of
+    locks; then, for each, the number of `prelude`'s keys and of its arguments, its arguments,
+    and RELEASE's two (owner token, wake TTL). KEYS holds, for each in turn, `prelude`'s keys and
+    then RELEASE's three (lock, queue, waiters). Answers RELEASE's answer for each, in order.
+    For a process that releases, with what each holder wrote, locks that other processes took:
+    one round trip for all of them."""
+    return (
+        _as_function("prelude", prelude)
+        + _as_function("release", RELEASE)
+        + """
+local answers = {}
+local k, a = 1, 2
+for n = 1, tonumber(ARGV[1]) do
+    local nk, na = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+    a = a + 2
+    prelude({unpack(KEYS, k, k + nk - 1)}, {unpack(ARGV, a, a + na - 1)})
+    answers[n] = release({unpack(KEYS, k + nk, k + nk + 2)}, {unpack(ARGV, a + na, a + na + 1)})
+    k, a = k + nk + 3, a + na + 2
+end
+return answers
+"""
+    )
+
+
 def _as_function(name: str, source: str) -> str:
     """A script's source as a local Lua function of its KEYS and ARGV (which then shadow the
     call's own): its `return` returns from the function."""

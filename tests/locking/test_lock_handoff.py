@@ -17,7 +17,7 @@ import pytest
 import redis
 from redis.exceptions import LockError, LockNotOwnedError
 
-from locking import Lock, release_call
+from locking import Lock, release_each_call
 from shop.processes.redis_server import RedisServer
 from tests.support import gather_from_processes, redis_url, run_in_thread
 
@@ -696,7 +696,7 @@ def test_a_reentrant_release_still_held_sends_its_script_alone(r: redis.Redis, p
     assert r.get(copy) == b"outer" and r.exists(name) == 0 and int(r.get(runs)) == 2
 
 
-def test_a_lock_released_by_another_process_s_pipeline_goes_to_its_waiter(
+def test_locks_released_by_another_process_in_one_call_go_to_their_waiters(
     r: redis.Redis, prefix: str, clients: Callable[..., redis.Redis]
 ) -> None:
     # Given two holders of two locks, and a waiter queued behind the first
@@ -718,25 +718,27 @@ def test_a_lock_released_by_another_process_s_pipeline_goes_to_its_waiter(
         time.sleep(0.01)
     assert r.llen(first.queue_name) == 1
 
-    # When another process releases both with their tokens in one pipeline, a copy with the
-    # first, and each holder then forgets its lock
+    # When another process releases both with their tokens in one script call, each with a copy
+    # of its own, and each holder then forgets its lock
     releaser = clients()
-    pipe = releaser.pipeline(transaction=False)
-    for lock, after in (
-        (first, (_COPY, [prefix + "first:copy", prefix + "first:runs"], ["level-2"])),
-        (second, None),
-    ):
-        source, keys, args = release_call(lock.name, lock.local.token, after=after)
-        releaser.register_script(source)(keys=keys, args=args, client=pipe)
-    assert pipe.execute() == [2, 1]  # the first handed to its waiter, the second deleted
+    source, keys, args = release_each_call(
+        _COPY,
+        [
+            (first.name, first.local.token, [prefix + "first:copy", prefix + "runs"], ["one"]),
+            (second.name, second.local.token, [prefix + "second:copy", prefix + "runs"], ["two"]),
+        ],
+    )
+    # the first handed to its waiter, the second deleted
+    assert releaser.register_script(source)(keys=keys, args=args) == [2, 1]
     first.released_elsewhere()
     second.released_elsewhere()
     thread.join(10)
 
     # Then the waiter got the first by hand-over and found the copy made, the second is free,
     # and neither holder holds anything any more
-    assert outcome.get("result") == b"level-2", outcome
+    assert outcome.get("result") == b"one", outcome
     assert r.exists(second.name) == 0
+    assert r.get(prefix + "second:copy") == b"two" and int(r.get(prefix + "runs")) == 2
     assert first.local.token is None and second.local.token is None
     with pytest.raises(LockError):
         first.released_elsewhere()
