@@ -617,6 +617,30 @@ def test_handoff_on_a_private_embedded_server() -> None:
 
 # -- something to tell Redis with the release ---------------------------------------------
 
+
+def _queue_a_reader(
+    r: redis.Redis, other: redis.Redis, holder: Lock, key: str
+) -> tuple[threading.Thread, dict]:
+    """A waiter for `holder`'s lock, on a client of its own, queued behind it (returned once it
+    is), that reads `key` as soon as it holds the lock, then releases it: its thread, and the
+    outcome `run_in_thread` fills in (`result`: what it read)."""
+    waiter = Lock(other, holder.name, timeout=10)
+
+    def take_and_read() -> bytes | None:
+        assert waiter.acquire(blocking_timeout=10)
+        try:
+            return other.get(key)
+        finally:
+            waiter.release()
+
+    thread, outcome = run_in_thread(take_and_read)
+    deadline = time.monotonic() + 5
+    while r.llen(holder.queue_name) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert r.llen(holder.queue_name) == 1
+    return thread, outcome
+
+
 #: A script of its own: SET KEYS[1] ARGV[1], and count its runs in KEYS[2].
 _COPY = "redis.call('set', KEYS[1], ARGV[1])\nredis.call('incr', KEYS[2])\nreturn 1"
 
@@ -628,21 +652,7 @@ def test_a_release_carries_a_script_the_next_holder_finds_done(
     name, copy, runs = prefix + "carry", prefix + "carry:copy", prefix + "carry:runs"
     holder = Lock(r, name, timeout=10)
     assert holder.acquire()
-    other = clients()
-    waiter = Lock(other, name, timeout=10)
-
-    def take_and_read() -> bytes | None:
-        assert waiter.acquire(blocking_timeout=10)
-        try:
-            return other.get(copy)
-        finally:
-            waiter.release()
-
-    thread, outcome = run_in_thread(take_and_read)
-    deadline = time.monotonic() + 5
-    while r.llen(holder.queue_name) == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert r.llen(holder.queue_name) == 1
+    thread, outcome = _queue_a_reader(r, clients(), holder, copy)
 
     # When the holder releases with the copy to make
     holder.release(after=(_COPY, [copy, runs], ["level-7"]))
@@ -702,21 +712,7 @@ def test_locks_released_by_another_process_in_one_call_go_to_their_waiters(
     # Given two holders of two locks, and a waiter queued behind the first
     first, second = Lock(r, prefix + "first", timeout=10), Lock(r, prefix + "second", timeout=10)
     assert first.acquire() and second.acquire()
-    other = clients()
-    waiter = Lock(other, first.name, timeout=10)
-
-    def take() -> bytes | None:
-        assert waiter.acquire(blocking_timeout=10)
-        try:
-            return other.get(prefix + "first:copy")
-        finally:
-            waiter.release()
-
-    thread, outcome = run_in_thread(take)
-    deadline = time.monotonic() + 5
-    while r.llen(first.queue_name) == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert r.llen(first.queue_name) == 1
+    thread, outcome = _queue_a_reader(r, clients(), first, prefix + "first:copy")
 
     # When another process releases both with their tokens in one script call, each with a copy
     # of its own, and each holder then forgets its lock
