@@ -160,6 +160,7 @@ _COUNTED = (
     "commit_seconds",
     "commit_cpu_seconds",
     "handed",
+    "released",
 )
 
 
@@ -184,6 +185,8 @@ def _writer_summary(stats: dict[str, Any], cpu: float, seconds: float) -> str:
         f"({per_batch(stats['commit_cpu_seconds'])} CPU); "
         f"its CPU per sale {1000 * cpu / max(stats['sales'], 1):.2f} ms"
     )
+    if stats.get("released"):
+        summary += f"; holders' locks released with their commits: {stats['released']}"
     scheduled = stats.get("scheduled")
     if scheduled:
         summary += "\n      per batch, ms on a CPU / waiting for one: " + ", ".join(

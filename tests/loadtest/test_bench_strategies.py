@@ -78,8 +78,10 @@ def test_a_tiny_run_prints_every_contender_and_no_safe_one_oversells(django_db_s
     assert re.search(r"lua, sale writer\s+vs hot row \(SQL\)\s+\d+\.\d\dx", result.stdout)
     assert re.search(r"lua\s+vs hot row \(SQL\)\s+\d+\.\d\dx", result.stdout), result.stdout
     assert re.search(r"segmented, sale writer\s+vs lock\s+\d+\.\d\dx", result.stdout)
-    # the sale writer's row says how it batched
+    # the sale writer's row says how it batched, and segmented's how many of its holders' locks
+    # the writer released
     assert re.search(r"sale writer: \d+ sales in \d+ batches", result.stdout), result.stdout
+    assert re.search(r"holders' locks released with their commits: [1-9]", result.stdout)
     # and how long the writer and its backend ran and queued for a CPU, per batch
     assert re.search(
         r"on a CPU / waiting for one: writer \d+\.\d\d / \d+\.\d\d, "
