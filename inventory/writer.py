@@ -15,9 +15,9 @@ fenced in the statement as in its own, and is answered with their levels after t
 hints). The locks it names (`write_request`'s `releases`) the writer releases right after that
 commit, the hints copied with them (`_release`). Ten shards let ten holders wait on the writer
 at once, and their sales share commits: a single lock (`lock`) has one holder at a time and
-nothing to share, so it writes its own. A
-holder whose batch was refused (a row short, a token refused) is answered `again` and writes
-its sale itself, still under its locks: that write tells it which.
+nothing to share, so it writes its own. A holder whose batch was refused (a row short, a token
+refused) is answered `again` and writes its sale itself, still under its locks: that write
+tells it which.
 
 The statement is sent without waiting for it (`stock.BatchInFlight`): while PostgreSQL writes
 and commits one batch, the writer reads and takes the next, and sends it as soon as the first is
@@ -605,7 +605,7 @@ class SaleWriter:
         its process to be woken and run, its shard locked meanwhile. When Redis fails, none
         is: the holders release their locks themselves (a release that ran finds its token
         gone and does nothing)."""
-        held: list[tuple[int, str]] = []
+        released: dict[int, list[str]] = {}
         releases = []
         for place, (sale, answer) in enumerate(zip(sales, answers, strict=True)):
             if sale.release is None or answer["o"] != "sold":
@@ -613,8 +613,8 @@ class SaleWriter:
             for index, (name, token, hint) in sale.release.items():
                 left, version = answer["levels"][index]
                 _, hint_keys, hint_args = StockCounter.set_newer_call({hint: (left, version)})
-                held.append((place, index))
                 releases.append((name, token, hint_keys, hint_args))
+                released.setdefault(place, []).append(index)
         if not releases:
             return {}
         source, keys_, args = release_each_call(scripts.STOCK_SET_NEWER, releases)
@@ -624,9 +624,6 @@ class SaleWriter:
         except _RELEASE_ERRORS as exc:
             logger.warning("sale writer: could not release %d locks (%s)", len(releases), exc)
             return {}
-        released: dict[int, list[str]] = {}
-        for place, index in held:
-            released.setdefault(place, []).append(index)
         self.released += len(releases)
         return released
 
