@@ -9,7 +9,8 @@ Differences from redis-py's lock, all invisible to code written against redis-py
   queued: it sets the lock to the first waiter's token, with that waiter's TTL, and
   pushes that waiter's wake. The woken waiter owns the lock without another round trip,
   and no newcomer can take it in between. Each wait is capped by the lock's remaining
-  TTL, so a lock whose holder died is taken as soon as it expires.
+  TTL, so a lock whose holder died is taken as soon as it expires (a wait shorter than
+  Redis' timer tick is slept on the client: the server ends a BLPOP late by up to a tick).
 * A ``SET`` or a script that times out on the client may still run on the server; a
   ``GET`` then decides whether the lock is ours.
 * Every grant hands out a fencing token, :attr:`Lock.fence`: a number that grows with each
@@ -69,6 +70,13 @@ MIN_WAIT = 0.001
 
 #: Wait slice when the client has no socket timeout.
 DEFAULT_MAX_WAIT_SLICE = 1.0
+
+#: Redis ends a blocked BLPOP on its timer tick (every 100 ms at the default ``hz 10``) unless
+#: other traffic wakes it first: on a quiet server a BLPOP of 20 ms returns after up to 100. A
+#: wait shorter than this (the lock expires sooner, or the caller gives up sooner) is slept on
+#: the client instead, so that a waiter takes an expired lock on time; a hand-over meanwhile
+#: is found by the next script, which sees the lock holding the waiter's token.
+SERVER_TICK = 0.1
 
 
 class _Lease:
@@ -412,6 +420,9 @@ class Lock:
                 wait = min(wait, pttl / 1000)
             if deadline is not None:
                 wait = min(wait, deadline - time.monotonic())
+            if wait < min(self.max_wait_slice, SERVER_TICK) and self.wake_hub is None:
+                time.sleep(max(wait, MIN_WAIT))  # the hub's wait is an in-process event, on time
+                continue
             fence = self._wait_for_handoff(token_bytes, wait)
             if fence is not None:
                 # The release set the lock to our token before pushing our wake.

@@ -491,6 +491,32 @@ def test_queued_waiters_get_the_lock_after_a_dead_holders_ttl(
     assert r.exists(name, name + ":queue", name + ":waiters") == 0
 
 
+def test_short_waits_end_on_time_on_a_server_whose_timer_ticks_once_a_second() -> None:
+    # Redis ends a blocked BLPOP on its timer tick (hz) unless other traffic wakes it: a lock
+    # that expires in 50 ms must not be waited for until the next tick, nor a 50 ms give-up.
+    with RedisServer(args=["--hz", "1"]) as server:
+        client = server.client()
+        started = time.monotonic()
+        client.blpop(["nothing"], timeout=0.05)
+        server_late = time.monotonic() - started
+
+        dead = Lock(client, "dead-holder", timeout=0.05)
+        assert dead.acquire(blocking=False)  # and never released: its holder "died"
+        waiter = Lock(client, "dead-holder", timeout=5)
+        started = time.monotonic()
+        assert waiter.acquire(blocking_timeout=5)
+        took_expired = time.monotonic() - started
+
+        alive = Lock(client, "live-holder", timeout=30)
+        assert alive.acquire(blocking=False)
+        started = time.monotonic()
+        assert not Lock(client, "live-holder", timeout=5).acquire(blocking_timeout=0.05)
+        gave_up = time.monotonic() - started
+
+    assert server_late > 0.5, "this server ends a short BLPOP on its 1 s tick"
+    assert took_expired < 0.5 and gave_up < 0.5, (took_expired, gave_up)
+
+
 # -- what never queues, what never duplicates, what withdraws --------------------------
 
 
