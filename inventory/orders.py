@@ -12,7 +12,6 @@ mid-payment leaves nothing behind and the redelivered task pays once.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import random
@@ -22,19 +21,32 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-import redis
-from celery import current_app
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Q, Sum
 from django.utils import timezone
-from kombu.exceptions import KombuError
 
-from . import metrics, stock
-from .breaker import broker_breaker
+from . import metrics, stock, writer
 from .models import LIVE_STATUSES, Item, Order, OrderStatus, PaymentAttempt, StockShard
+from .publishing import (
+    GIVE_BACK_TASK,
+    PROCESS_ORDER_TASK,
+    SETTLE_ORDERS_TASK,
+    OrderPublisher,
+    hand_over,
+    publish,
+    publish_orders,
+)
 from .redis_client import REDIS_DOWN_ERRORS
 from .strategies import get_strategy
+
+__all__ = [  # the publishing names callers have found here
+    "GIVE_BACK_TASK",
+    "PROCESS_ORDER_TASK",
+    "SETTLE_ORDERS_TASK",
+    "OrderPublisher",
+    "publish_orders",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -43,131 +55,17 @@ OPEN_STATUSES = (OrderStatus.PENDING, OrderStatus.PAID)
 #: Statuses whose units went back to the item.
 RETURNED_STATUSES = (OrderStatus.FAILED, OrderStatus.EXPIRED)
 
-_PUBLISH_ERRORS = (KombuError, OSError, redis.exceptions.RedisError)
-
-#: The tasks checkout and the sweeper publish, named as Celery registers them (`inventory.tasks`
-#: imports this module, so it is never imported back; tests check the names are registered).
-PROCESS_ORDER_TASK = "inventory.tasks.process_order_task"
-SETTLE_ORDERS_TASK = "inventory.tasks.settle_orders_task"
-GIVE_BACK_TASK = "inventory.tasks.give_back_task"
-
 
 def enqueue_order(order_pk: int) -> bool:
     """Publish the order's processing task; False (and logged) if the broker is unreachable.
 
     Never raises: the order row is the outbox, and the sweeper enqueues what this missed.
     """
-    return _publish(PROCESS_ORDER_TASK, order_pk, what=f"order {order_pk}")
+    return publish(PROCESS_ORDER_TASK, order_pk, what=f"order {order_pk}")
 
 
-def _publish(task: str, argument: object, *, what: str) -> bool:
-    """Send task(argument) through the broker breaker; False (and logged) if the broker is down."""
-    if not broker_breaker.allow():
-        return False
-    try:
-        current_app.send_task(task, (argument,), retry=False)
-    except _PUBLISH_ERRORS as exc:
-        broker_breaker.record_failure(exc)
-        logger.warning("%s not enqueued (%s): the sweeper will", what, exc)
-        return False
-    broker_breaker.record_success()
-    return True
-
-
-class OrderPublisher:
-    """Publishes checkout's orders from a background thread, many orders per broker message.
-
-    Building and sending a Celery message costs about as much CPU as the rest of a checkout;
-    here a request only appends the order's key to a list. Every
-    FLASHSALE_PUBLISH_INTERVAL_MS the thread sends what has gathered as one
-    `settle_orders_task`, which a worker pays and confirms as one batch (`settle_orders`).
-
-    Nothing is promised beyond the commit: an order whose key is lost with its process (killed
-    before the next flush), or refused by a broker that is down, stays pending in the database,
-    which is the outbox, and the sweeper enqueues it again.
-    """
-
-    #: How long a process's exit waits for a send its thread has begun (a broker that answers
-    #: takes milliseconds; one that does not, its connect timeout).
-    EXIT_WAIT_SECONDS = 10.0
-
-    def __init__(self, *, background: bool = True) -> None:
-        #: False: no thread; whoever adds orders calls `flush`.
-        self.background = background
-        self._lock = threading.Lock()
-        #: Held for the whole of a flush: the one on the way out waits for the thread's.
-        self._flushing = threading.Lock()
-        self._pending: list[int] = []
-        self._wake = threading.Event()
-        self._pid: int | None = None
-
-    def forget_after_fork(self) -> None:
-        """In a forked child: the parent's thread and pending keys are not ours."""
-        self._lock = threading.Lock()
-        self._flushing = threading.Lock()
-        self._pending = []
-        self._pid = None
-
-    def add(self, order_pk: int) -> None:
-        self.add_many([order_pk])
-
-    def add_many(self, order_pks: list[int]) -> None:
-        with self._lock:
-            if self.background and self._pid != os.getpid():
-                # First use in this process, or in a forked child, which has no thread.
-                self._pid = os.getpid()
-                self._pending = []
-                self._wake = threading.Event()
-                threading.Thread(target=self._run, name="order-publisher", daemon=True).start()
-                # A process that exits cleanly (a gunicorn worker recycled or stopped) sends
-                # what it holds instead of leaving it to the sweeper.
-                atexit.register(self.flush_on_exit)
-            self._pending += order_pks
-            if len(self._pending) >= settings.FLASHSALE_PUBLISH_BATCH:
-                self._wake.set()
-
-    def _run(self) -> None:
-        wake = self._wake
-        while True:
-            wake.wait(settings.FLASHSALE_PUBLISH_INTERVAL_MS / 1000)
-            wake.clear()
-            try:
-                self.flush()
-            except Exception:  # never let the thread die: the next flush may work
-                logger.exception("publishing orders failed")
-
-    def flush(self) -> int:
-        """Send every order gathered so far; return how many went out."""
-        with self._flushing:
-            return self._send_pending()
-
-    def flush_on_exit(self) -> int:
-        """`flush`, at the process's exit: first wait for a send the thread has begun, which
-        the interpreter would otherwise cut short (its thread is a daemon), losing the orders
-        it had taken to the sweeper. A send that hangs longer than EXIT_WAIT_SECONDS is left."""
-        if self._flushing.acquire(timeout=self.EXIT_WAIT_SECONDS):
-            try:
-                return self._send_pending()
-            finally:
-                self._flushing.release()
-        logger.warning("a publish still hangs at exit: sending what is left beside it")
-        return self._send_pending()
-
-    def _send_pending(self) -> int:
-        with self._lock:
-            batch, self._pending = self._pending, []
-        size = settings.FLASHSALE_PUBLISH_BATCH
-        sent = 0
-        for start in range(0, len(batch), size):
-            chunk = batch[start : start + size]
-            if not publish_orders(chunk):
-                logger.warning("%s orders not enqueued: the sweeper will", len(batch) - sent)
-                break
-            sent += len(chunk)
-        return sent
-
-
-publisher = OrderPublisher()
+#: This process's publisher: checkout's orders, relayed to the sale writer when one runs.
+publisher = OrderPublisher(relay=writer.OrderRelay())
 os.register_at_fork(after_in_child=publisher.forget_after_fork)
 
 
@@ -180,20 +78,9 @@ def order_placed(order_pk: int) -> None:
 
 
 def orders_placed(order_pks: list[int]) -> None:
-    """Hand many just-committed orders to the workers at once: what the sale writer does with
-    the orders of each batch it commits, so that no web process publishes them. From the
-    background publisher, as `order_placed`; with an interval of 0, one message per batch."""
-    if settings.FLASHSALE_PUBLISH_INTERVAL_MS <= 0:
-        size = settings.FLASHSALE_PUBLISH_BATCH
-        for start in range(0, len(order_pks), size):
-            publish_orders(order_pks[start : start + size])
-    else:
-        publisher.add_many(order_pks)
-
-
-def publish_orders(order_pks: list[int]) -> bool:
-    """Publish one task that settles the orders as a batch; False if the broker is down."""
-    return _publish(SETTLE_ORDERS_TASK, order_pks, what=f"{len(order_pks)} orders")
+    """Hand many just-committed orders to the workers at once, as `order_placed`; with an
+    interval of 0, one message per batch."""
+    hand_over(order_pks, publisher)
 
 
 def charge(order: Order) -> bool:
@@ -336,7 +223,7 @@ def give_back_to_redis(failed: list[Order]) -> list[int]:
             logger.warning("order %s: Redis give-back deferred (%s)", order.pk, exc)
             later.append(order.pk)
     if later:
-        _publish(GIVE_BACK_TASK, later, what=f"the give-back of {len(later)} orders")
+        publish(GIVE_BACK_TASK, later, what=f"the give-back of {len(later)} orders")
     return later
 
 

@@ -7,7 +7,9 @@ database itself. The writer's one thread takes the units of the requests that ha
 one script (the same check-and-DECRBY a direct checkout runs, per request), writes the sales
 that got units in one statement and one commit (`inventory.stock.sell_batch`'s: each sale keeps
 its own guards), answers each buyer once its order row is committed, and hands the batch's
-orders to the order workers (`orders.orders_placed`: the buyers' processes publish none).
+orders to the order workers (`publishing.hand_over`: the buyers' processes publish none). The
+web processes relay the orders of the sales they write themselves to it as well
+(`OrderRelay`), which it publishes with these.
 
 A `segmented` checkout holding a shard's lock sends its sale the same way (`write_request`):
 the rows it holds and their fencing tokens, no take. It joins the batch as it is, its rows
@@ -66,7 +68,7 @@ from redis.exceptions import ResponseError
 from locking import release_each_call, scripts
 from locking.counter import Claim, StockCounter, Take
 
-from . import keys, stock
+from . import keys, publishing, stock
 from .redis_client import REDIS_DOWN_ERRORS, get_redis_client
 
 logger = logging.getLogger(__name__)
@@ -198,6 +200,49 @@ def write_request(
     return request
 
 
+#: The most order keys one relay (`orders_request`) may carry.
+MAX_RELAYED = 1000
+
+
+def orders_request(order_pks: list[int]) -> dict[str, Any]:
+    """What a web process's order publisher sends (`orders.OrderPublisher`): committed orders
+    for the writer to publish with its own batches' (`SaleWriter._relayed`). Answered `ok`
+    once they are in the writer's publisher."""
+    return {"op": "orders", "ids": order_pks}
+
+
+class OrderRelay:
+    """A web process's committed orders handed to the sale writer (`orders_request`), which
+    publishes them with its own (`publishing.OrderPublisher`'s relay): available while a writer
+    is configured."""
+
+    most = MAX_RELAYED
+    _warned: set[str] = set()
+
+    def available(self) -> bool:
+        return client() is not None
+
+    def __call__(self, order_pks: list[int]) -> bool:
+        """False when no writer took them (the caller publishes them itself: a relay that was
+        taken and not answered may then be published twice, which settles each order once
+        all the same)."""
+        sale_writer = client()
+        if sale_writer is None:
+            return False
+        try:
+            answer = sale_writer.ask(orders_request(order_pks))
+        except (WriterUnavailable, WriterLost) as exc:
+            why = str(exc)
+        else:
+            if answer.get("o") == "ok":
+                return True
+            why = f"the sale writer refused {len(order_pks)} orders: {answer.get('e')}"
+        if why not in self._warned:
+            self._warned.add(why)
+            logger.warning("%s; publishing orders from this process meanwhile", why)
+        return False
+
+
 def sale_request(
     *,
     sku: str,
@@ -258,8 +303,12 @@ class SaleWriter:
         self.batch = batch or settings.FLASHSALE_GROUP_COMMIT_BATCH
         self.sales = 0
         self.batches = 0
-        #: Orders handed to the order workers (`_hand_over`).
+        #: Orders handed to the order workers (`_hand_over`), and of those, how many web
+        #: processes relayed to it (`_relayed`).
         self.handed = 0
+        self.relayed = 0
+        #: Publishes the orders of its batches and those relayed to it (never relays them).
+        self._publisher = publishing.OrderPublisher()
         #: Lock holders' locks released after their sales' commits (`_release`).
         self.released = 0
         #: Wall and CPU seconds spent taking (the scripts) and committing: from a statement's
@@ -301,6 +350,7 @@ class SaleWriter:
                 self._turn(listener)
             self._drain()
         finally:
+            self._stop_publishing()
             # Buyers still connected find the connection closed: they sell the direct way
             # until a writer listens again.
             for conn in list(self._connections):
@@ -467,6 +517,9 @@ class SaleWriter:
             if request.get("op") == "stats":
                 self._answer(conn, self.stats())
                 continue
+            if request.get("op") == "orders":
+                self._answer(conn, self._relayed(request.get("ids")))
+                continue
             group = conn.group
             if group is not None:
                 group.waiting.discard(conn)
@@ -482,6 +535,7 @@ class SaleWriter:
             "sales": self.sales,
             "batches": self.batches,
             "handed": self.handed,
+            "relayed": self.relayed,
             "released": self.released,
             "take_seconds": self.take_seconds,
             "take_cpu_seconds": self.take_cpu,
@@ -660,18 +714,39 @@ class SaleWriter:
         if connection.connection is not None and not connection.is_usable():
             connection.close()
 
-    def _hand_over(self, order_pks: list[int]) -> None:
-        """The batch's orders, committed, to the order workers (`orders.orders_placed`): one
-        process publishing every web process's orders sends fewer, larger messages, which
-        the workers settle in fewer, larger batches, and the web processes publish none. A
-        publish that fails leaves the orders pending, for the sweeper, as a web process's."""
-        from . import orders  # (orders imports the strategies, which import this module)
-
+    def _hand_over(self, order_pks: list[int]) -> bool:
+        """Committed orders to the order workers (`publishing.hand_over`, through the writer's
+        own publisher): one process publishing every web process's orders sends fewer, larger
+        messages, which the workers settle in fewer, larger batches, and the web processes
+        publish none. A publish that fails leaves the orders pending, for the sweeper, as a web
+        process's. False when they could not even be queued for publishing."""
         try:
-            orders.orders_placed(order_pks)
-            self.handed += len(order_pks)
+            publishing.hand_over(order_pks, self._publisher)
         except Exception:
             logger.exception("sale writer: %d orders not handed to the workers", len(order_pks))
+            return False
+        self.handed += len(order_pks)
+        return True
+
+    def _relayed(self, order_pks: Any) -> dict[str, Any]:
+        """A web process's committed orders (`orders_request`), to publish with the batches'."""
+        if (
+            not isinstance(order_pks, list)
+            or not 0 < len(order_pks) <= MAX_RELAYED
+            or not all(type(pk) is int and pk > 0 for pk in order_pks)
+        ):
+            return {"o": "invalid", "e": f"ids: from 1 to {MAX_RELAYED} order keys"}
+        if not self._hand_over(order_pks):
+            return {"o": "error", "e": "the orders could not be queued for publishing"}
+        self.relayed += len(order_pks)
+        return {"o": "ok"}
+
+    def _stop_publishing(self) -> None:
+        """Send what the writer's publisher holds, and end its thread."""
+        try:
+            self._publisher.stop()
+        except Exception:
+            logger.exception("sale writer: publishing its last orders failed")
 
 
 def take_priority(nice: int) -> str | None:

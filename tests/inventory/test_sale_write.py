@@ -281,13 +281,13 @@ def test_a_process_that_exits_while_its_thread_sends_waits_for_that_send():
     start_sale(sku="exit-mid-send", stock=5, strategy="lua")
     script = (
         "import threading, time; import django; django.setup()\n"
-        "from inventory import orders\n"
+        "from inventory import publishing\n"
         "from inventory.services import place_order\n"
         "sending = threading.Event()\n"
-        "real = orders.publish_orders\n"
+        "real = publishing.publish_orders\n"
         "def slow(pks):\n"
         "    sending.set(); time.sleep(1.0); return real(pks)\n"
-        "orders.publish_orders = slow\n"
+        "publishing.publish_orders = slow\n"
         "print(place_order(sku='exit-mid-send', qty=1, buyer='late').order.pk)\n"
         "assert sending.wait(30)\n"
     )

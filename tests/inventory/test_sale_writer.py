@@ -22,7 +22,7 @@ from django.utils import timezone
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from inventory import keys, stock
+from inventory import keys, orders, services, stock
 from inventory.exceptions import Busy
 from inventory.models import Item, Order, StockShard
 from inventory.orders import reconcile_sale
@@ -30,7 +30,7 @@ from inventory.redis_client import get_redis_client
 from inventory.selectors import audit_sale
 from inventory.services import place_order, start_sale
 from inventory.strategies import plumbing, segmented
-from inventory.writer import write_request, writer_stats
+from inventory.writer import OrderRelay, write_request, writer_stats
 from loadtest.flood import flood
 from shop.processes.servers import SaleWriter as SaleWriterProcess
 from tests.conftest import TASK_QUEUE, server_env, start_shop
@@ -120,6 +120,108 @@ def test_the_writer_hands_each_order_it_commits_to_the_workers_once(writer_shop,
     assert sorted(pk for pk in carried if pk in set(placed)) == sorted(placed), messages
     assert {message["task"] for message in messages} == {"inventory.tasks.settle_orders_task"}
     assert len(messages) < len(placed)
+
+
+def test_web_processes_relay_their_own_orders_to_the_writer_which_publishes_them(
+    writer_shop, writer_process
+):
+    # Given a lock sale, whose web processes write their own sales, on a server with a writer
+    before = writer_stats(writer_process.path)
+    client = get_redis_client()
+    queued = client.llen(TASK_QUEUE)
+    sku = f"relayed-{uuid.uuid4().hex[:8]}"
+    start_sale(sku=sku, stock=STOCK, strategy="lock")
+
+    # When a crowd buys it out
+    placed = list(
+        flood_sells_exactly_the_stock(
+            writer_shop.url, sku, stock=STOCK, attempts=ATTEMPTS, buyers=BUYERS
+        ).values_list("pk", flat=True)
+    )
+
+    # Then the web processes relayed every order to the writer, which wrote none of the sales
+    deadline = time.monotonic() + 10
+    while True:
+        after = writer_stats(writer_process.path)
+        messages = task_messages_carrying(client, TASK_QUEUE, placed, since=queued)
+        carried = [pk for message in messages for pk in message["args"][0]]
+        if sorted(carried) == sorted(placed) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert after["relayed"] - before["relayed"] == STOCK
+    assert after["handed"] - before["handed"] == STOCK
+    assert after["sales"] == before["sales"]
+    # and it published each of them in one settle message, several to a message
+    assert sorted(pk for pk in carried if pk in set(placed)) == sorted(placed), messages
+    assert {message["task"] for message in messages} == {"inventory.tasks.settle_orders_task"}
+    assert len(messages) < len(placed)
+
+
+def _placed_lock_orders(sku: str, count: int) -> list[int]:
+    start_sale(sku=sku, stock=count, strategy="lock")
+    return [place_order(sku=sku, qty=1, buyer=f"b{n}").order.pk for n in range(count)]
+
+
+def test_a_publisher_relays_to_the_writer_and_the_writer_publishes_on_its_way_out(
+    monkeypatch, settings
+):
+    # Given twenty committed orders in a publisher with no thread of its own, and a writer
+    monkeypatch.setattr(services, "order_placed", lambda pk: None)
+    settings.FLASHSALE_PUBLISH_INTERVAL_MS = 60_000  # the writer's own publisher waits
+    placed = _placed_lock_orders("relay", 20)
+    publisher = orders.OrderPublisher(background=False, relay=OrderRelay())
+    publisher.add_many(placed)
+    client = get_redis_client()
+    queued = client.llen(TASK_QUEUE)
+    with serving() as writer:
+        settings.FLASHSALE_SALE_WRITER = writer.path
+
+        # When the publisher flushes
+        assert publisher.flush() == 20
+
+        # Then the writer took them, and holds them for its next publish
+        assert publisher.relayed == 20 and writer.stats()["relayed"] == 20
+        assert task_messages_carrying(client, TASK_QUEUE, placed, since=queued) == []
+
+    # and once stopped it has published them, as one message
+    assert task_messages_carrying(client, TASK_QUEUE, placed, since=queued) == [
+        {"task": "inventory.tasks.settle_orders_task", "args": [placed]}
+    ]
+
+
+def test_a_publisher_whose_writer_is_gone_publishes_its_orders_itself(
+    monkeypatch, settings, tmp_path
+):
+    # Given committed orders in a publisher whose configured writer is not listening
+    monkeypatch.setattr(services, "order_placed", lambda pk: None)
+    settings.FLASHSALE_SALE_WRITER = str(tmp_path / "nobody.sock")
+    placed = _placed_lock_orders("unrelayed", 5)
+    publisher = orders.OrderPublisher(background=False, relay=OrderRelay())
+    publisher.add_many(placed)
+    client = get_redis_client()
+    queued = client.llen(TASK_QUEUE)
+
+    # When it flushes
+    assert publisher.flush() == 5
+
+    # Then it sent them to the broker itself
+    assert publisher.relayed == 0
+    assert task_messages_carrying(client, TASK_QUEUE, placed, since=queued) == [
+        {"task": "inventory.tasks.settle_orders_task", "args": [placed]}
+    ]
+
+
+@pytest.mark.parametrize(
+    "ids", [None, "1", [], [0], [-3], [True], [1.5], ["7"], list(range(1, 1002))]
+)
+def test_the_writer_refuses_a_bad_relay_and_publishes_nothing(writer_in_thread, ids):
+    request = {"op": "orders"} if ids is None else {"op": "orders", "ids": ids}
+
+    answer = _raw(writer_in_thread.path, json.dumps(request).encode() + b"\n")
+
+    assert answer == {"o": "invalid", "e": "ids: from 1 to 1000 order keys"}
+    stats = writer_in_thread.stats()
+    assert stats["relayed"] == stats["handed"] == 0
 
 
 def test_a_redis_counter_too_high_is_refused_by_the_database(writer_in_thread):
