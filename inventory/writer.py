@@ -236,7 +236,8 @@ class OrderRelay:
         else:
             if answer.get("o") == "ok":
                 return True
-            why = f"the sale writer refused {len(order_pks)} orders: {answer.get('e')}"
+            # (no count in it: it is logged once per distinct reason)
+            why = f"the sale writer refused a relay of orders: {answer.get('e')}"
         if why not in self._warned:
             self._warned.add(why)
             logger.warning("%s; publishing orders from this process meanwhile", why)

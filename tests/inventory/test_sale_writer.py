@@ -22,7 +22,7 @@ from django.utils import timezone
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from inventory import keys, orders, services, stock
+from inventory import keys, orders, services, stock, writer
 from inventory.exceptions import Busy
 from inventory.models import Item, Order, StockShard
 from inventory.orders import reconcile_sale
@@ -173,14 +173,14 @@ def test_a_publisher_relays_to_the_writer_and_the_writer_publishes_on_its_way_ou
     publisher.add_many(placed)
     client = get_redis_client()
     queued = client.llen(TASK_QUEUE)
-    with serving() as writer:
-        settings.FLASHSALE_SALE_WRITER = writer.path
+    with serving() as sale_writer:
+        settings.FLASHSALE_SALE_WRITER = sale_writer.path
 
         # When the publisher flushes
         assert publisher.flush() == 20
 
         # Then the writer took them, and holds them for its next publish
-        assert publisher.relayed == 20 and writer.stats()["relayed"] == 20
+        assert publisher.relayed == 20 and sale_writer.stats()["relayed"] == 20
         assert task_messages_carrying(client, TASK_QUEUE, placed, since=queued) == []
 
     # and once stopped it has published them, as one message
@@ -209,6 +209,55 @@ def test_a_publisher_whose_writer_is_gone_publishes_its_orders_itself(
     assert task_messages_carrying(client, TASK_QUEUE, placed, since=queued) == [
         {"task": "inventory.tasks.settle_orders_task", "args": [placed]}
     ]
+
+
+def _refusing_peer(path: str) -> threading.Thread:
+    """A peer on `path` that answers every line as a writer that does not know relays does
+    (one from before them, during a rolling restart)."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+
+    def serve() -> None:
+        with listener, listener.accept()[0] as conn, conn.makefile("rwb") as stream:
+            for _ in stream:
+                stream.write(b'{"o": "invalid", "e": "KeyError(\'sale\')"}\n')
+                stream.flush()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_publisher_whose_writer_refuses_relays_publishes_them_and_says_so_once(
+    monkeypatch, settings, tmp_path, caplog
+):
+    # Given a publisher whose writer answers relays as one from before them
+    monkeypatch.setattr(services, "order_placed", lambda pk: None)
+    settings.FLASHSALE_SALE_WRITER = str(tmp_path / "old.sock")
+    peer = _refusing_peer(settings.FLASHSALE_SALE_WRITER)
+    publisher = orders.OrderPublisher(background=False, relay=OrderRelay())
+    client = get_redis_client()
+    queued = client.llen(TASK_QUEUE)
+    first = _placed_lock_orders("refused-1", 3)
+    second = _placed_lock_orders("refused-2", 4)
+
+    # When it flushes twice
+    publisher.add_many(first)
+    assert publisher.flush() == 3
+    publisher.add_many(second)
+    assert publisher.flush() == 4
+
+    # Then it published both itself, and said why once
+    assert publisher.relayed == 0
+    for placed in (first, second):
+        assert task_messages_carrying(client, TASK_QUEUE, placed, since=queued) == [
+            {"task": "inventory.tasks.settle_orders_task", "args": [placed]}
+        ]
+    warned = [r.getMessage() for r in caplog.records if "refused a relay" in r.getMessage()]
+    assert len(warned) == 1 and "KeyError" in warned[0], warned
+    writer.client()._drop()  # (hangs up: the peer ends)
+    peer.join(10)
 
 
 @pytest.mark.parametrize(
