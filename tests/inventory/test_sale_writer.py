@@ -91,46 +91,17 @@ def test_a_flood_through_the_writer_sells_exactly_the_stock_in_shared_commits(
     assert after["batches"] - before["batches"] < written
 
 
-def test_the_writer_hands_each_order_it_commits_to_the_workers_once(writer_shop, writer_process):
-    # Given a lua sale sold through the writer, on a broker whose queue nobody consumes here
-    before = writer_stats(writer_process.path)["handed"]
-    client = get_redis_client()
-    queued = client.llen(TASK_QUEUE)
-    sku = f"handed-{uuid.uuid4().hex[:8]}"
-    start_sale(sku=sku, stock=STOCK, strategy="lua")
-
-    # When a crowd buys it out
-    placed = list(
-        flood_sells_exactly_the_stock(
-            writer_shop.url, sku, stock=STOCK, attempts=ATTEMPTS, buyers=BUYERS
-        ).values_list("pk", flat=True)
-    )
-
-    # Then the writer handed every order it sold to the workers
-    assert writer_stats(writer_process.path)["handed"] - before == STOCK
-    # and each is carried by one settle message, and by no other: the writer published them,
-    # several to a message, and the web processes, told so, none
-    deadline = time.monotonic() + 10
-    while True:
-        messages = task_messages_carrying(client, TASK_QUEUE, placed, since=queued)
-        carried = [pk for message in messages for pk in message["args"][0]]
-        if sorted(carried) == sorted(placed) or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert sorted(pk for pk in carried if pk in set(placed)) == sorted(placed), messages
-    assert {message["task"] for message in messages} == {"inventory.tasks.settle_orders_task"}
-    assert len(messages) < len(placed)
-
-
-def test_web_processes_relay_their_own_orders_to_the_writer_which_publishes_them(
-    writer_shop, writer_process
+@pytest.mark.parametrize("strategy", ["lua", "lock"])
+def test_the_writer_publishes_each_order_once_written_by_it_or_relayed_to_it(
+    writer_shop, writer_process, strategy
 ):
-    # Given a lock sale, whose web processes write their own sales, on a server with a writer
+    # Given a sale on a server with a writer, on a broker whose queue nobody consumes here:
+    # `lua`'s sales the writer writes, `lock`'s the web processes do
     before = writer_stats(writer_process.path)
     client = get_redis_client()
     queued = client.llen(TASK_QUEUE)
-    sku = f"relayed-{uuid.uuid4().hex[:8]}"
-    start_sale(sku=sku, stock=STOCK, strategy="lock")
+    sku = f"handed-{strategy}-{uuid.uuid4().hex[:8]}"
+    start_sale(sku=sku, stock=STOCK, strategy=strategy)
 
     # When a crowd buys it out
     placed = list(
@@ -139,7 +110,8 @@ def test_web_processes_relay_their_own_orders_to_the_writer_which_publishes_them
         ).values_list("pk", flat=True)
     )
 
-    # Then the web processes relayed every order to the writer, which wrote none of the sales
+    # Then the writer handed every order to the workers: those it wrote, or those the web
+    # processes relayed to it
     deadline = time.monotonic() + 10
     while True:
         after = writer_stats(writer_process.path)
@@ -148,10 +120,12 @@ def test_web_processes_relay_their_own_orders_to_the_writer_which_publishes_them
         if sorted(carried) == sorted(placed) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    assert after["relayed"] - before["relayed"] == STOCK
+    written = STOCK if strategy == "lua" else 0
+    assert after["sales"] - before["sales"] == written
+    assert after["relayed"] - before["relayed"] == STOCK - written
     assert after["handed"] - before["handed"] == STOCK
-    assert after["sales"] == before["sales"]
-    # and it published each of them in one settle message, several to a message
+    # and each is carried by one settle message, and by no other: the writer published them,
+    # several to a message, and the web processes none
     assert sorted(pk for pk in carried if pk in set(placed)) == sorted(placed), messages
     assert {message["task"] for message in messages} == {"inventory.tasks.settle_orders_task"}
     assert len(messages) < len(placed)
