@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 import uuid
+from datetime import timedelta
 
 import pytest
 import redis
@@ -161,6 +162,36 @@ def test_a_publisher_relays_to_the_writer_and_the_writer_publishes_on_its_way_ou
     assert task_messages_carrying(client, TASK_QUEUE, placed, since=queued) == [
         {"task": "inventory.tasks.settle_orders_task", "args": [placed]}
     ]
+
+
+def test_orders_relayed_to_a_writer_killed_before_it_published_are_swept_again(
+    monkeypatch, settings
+):
+    # Given five committed orders relayed to a writer process that holds them for a minute
+    monkeypatch.setattr(services, "order_placed", lambda pk: None)
+    placed = _placed_lock_orders("relayed-killed", 5)
+    sale_writer = SaleWriterProcess(server_env(FLASHSALE_PUBLISH_INTERVAL_MS=60_000)).start()
+    client = get_redis_client()
+    queued = client.llen(TASK_QUEUE)
+    try:
+        settings.FLASHSALE_SALE_WRITER = sale_writer.path
+        publisher = orders.OrderPublisher(background=False, relay=OrderRelay())
+        publisher.add_many(placed)
+        assert publisher.flush() == 5 and publisher.relayed == 5
+
+        # When the writer is killed (SIGKILL) before it published them
+        sale_writer.kill()
+    finally:
+        sale_writer.kill()
+    assert task_messages_carrying(client, TASK_QUEUE, placed, since=queued) == []
+
+    # Then they are still pending in the database, and the sweeper publishes each again
+    assert Order.objects.filter(pk__in=placed, status="pending").count() == 5
+    later = timezone.now() + timedelta(seconds=settings.FLASHSALE_REQUEUE_AFTER_SECONDS + 1)
+    assert sorted(orders.sweep_orders(now=later).requeued) == sorted(placed)
+    carried = task_messages_carrying(client, TASK_QUEUE, placed, since=queued)
+    assert sorted(message["args"][0] for message in carried) == sorted(placed)
+    assert {message["task"] for message in carried} == {"inventory.tasks.process_order_task"}
 
 
 def test_a_publisher_whose_writer_is_gone_publishes_its_orders_itself(
