@@ -28,25 +28,9 @@ from django.utils import timezone
 
 from . import metrics, stock, writer
 from .models import LIVE_STATUSES, Item, Order, OrderStatus, PaymentAttempt, StockShard
-from .publishing import (
-    GIVE_BACK_TASK,
-    PROCESS_ORDER_TASK,
-    SETTLE_ORDERS_TASK,
-    OrderPublisher,
-    hand_over,
-    publish,
-    publish_orders,
-)
+from .publishing import GIVE_BACK_TASK, PROCESS_ORDER_TASK, OrderPublisher, hand_over, publish
 from .redis_client import REDIS_DOWN_ERRORS
 from .strategies import get_strategy
-
-__all__ = [  # the publishing names callers have found here
-    "GIVE_BACK_TASK",
-    "PROCESS_ORDER_TASK",
-    "SETTLE_ORDERS_TASK",
-    "OrderPublisher",
-    "publish_orders",
-]
 
 logger = logging.getLogger(__name__)
 

@@ -76,10 +76,9 @@ class OrderPublisher:
     relays its orders to the writer instead (`writer.OrderRelay`, every RELAY_SHARE of the
     interval), which publishes them with the orders of its own batches and of every other web
     process: one message per interval for the machine rather than one per process, so that a
-    worker settles
-    a strategy's orders in batches as large whether the writer wrote them (`lua`, `segmented`)
-    or a web process did (`lock`, `optimistic`, `unsafe`). What the writer does not take (none
-    listening, no answer) goes to the broker from here.
+    worker settles a strategy's orders in batches as large whether the writer wrote them (`lua`,
+    `segmented`) or a web process did (`lock`, `optimistic`, `unsafe`). What the writer does not
+    take (none listening, no answer) goes to the broker from here.
 
     Nothing is promised beyond the commit: an order whose key is lost with its process (killed
     before the next flush, or the writer killed before its own), or refused by a broker that is

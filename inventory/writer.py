@@ -205,7 +205,7 @@ MAX_RELAYED = 1000
 
 
 def orders_request(order_pks: list[int]) -> dict[str, Any]:
-    """What a web process's order publisher sends (`orders.OrderPublisher`): committed orders
+    """What a web process's order publisher sends (`publishing.OrderPublisher`): committed orders
     for the writer to publish with its own batches' (`SaleWriter._relayed`). Answered `ok`
     once they are in the writer's publisher."""
     return {"op": "orders", "ids": order_pks}

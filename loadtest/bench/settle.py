@@ -137,7 +137,7 @@ def _flood(args: argparse.Namespace) -> tuple[float, int]:
 def _settle(
     args: argparse.Namespace, sale_id: int, workers: int, chunk: int, queue: str, logs: Path
 ) -> SettleResult:
-    from inventory import orders
+    from inventory import orders, publishing
     from inventory.models import Order, OrderStatus, PaymentAttempt
     from shop.processes.servers import CeleryWorker
 
@@ -152,7 +152,7 @@ def _settle(
         cpu_before = sum(_tree_cpu_seconds(w.process.pid) for w in started if w.process)
         began = time.monotonic()
         for start in range(0, len(pks), chunk):
-            orders.publish_orders(pks[start : start + chunk])
+            publishing.publish_orders(pks[start : start + chunk])
         deadline = began + args.timeout
         open_orders = Order.objects.filter(sale_id=sale_id, status__in=orders.OPEN_STATUSES)
         timed_out = False

@@ -18,7 +18,7 @@ from django.db import connection
 from django.db.models import Count
 from django.utils import timezone
 
-from inventory import orders, services
+from inventory import publishing, services
 from inventory.models import LIVE_STATUSES, Item, Order, OrderStatus, PaymentAttempt
 from inventory.orders import sweep_orders
 from inventory.selectors import audit_sale
@@ -84,14 +84,14 @@ def test_a_worker_keeps_its_database_connection_from_task_to_task(monkeypatch):
         sku = f"reuse-{uuid.uuid4().hex[:6]}"
         start_sale(sku=sku, stock=30, strategy="lua")
         placed = [place_order(sku=sku, qty=1, buyer=f"b{n}").order.pk for n in range(21)]
-        assert orders.publish_orders(placed[:1])
+        assert publishing.publish_orders(placed[:1])
         assert wait_until(lambda: Order.objects.get(pk=placed[0]).status != "pending", timeout=30)
         time.sleep(1.5)  # the statistics of sessions that ended are flushed as they end
         before = _sessions_opened()
 
         # When it settles twenty batches, one after another
         for pk in placed[1:]:
-            assert orders.publish_orders([pk])
+            assert publishing.publish_orders([pk])
         assert wait_until(lambda: _all_settled(sku), timeout=60), _statuses(sku)
         time.sleep(1.5)
     finally:
@@ -112,7 +112,7 @@ def test_the_sweeper_is_not_stuck_behind_a_backlog_of_payments(monkeypatch):
     overdue, backlog = placed[0], placed[1:]
     Order.objects.filter(pk=overdue).update(created_at=timezone.now() - timedelta(hours=1))
     for pk in backlog:
-        assert orders.publish_orders([pk])
+        assert publishing.publish_orders([pk])
     sweep_orders_task.apply_async()
 
     # When one worker, as started by default, reads its queues

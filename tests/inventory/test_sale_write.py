@@ -15,7 +15,7 @@ from django.db import connections
 from django.test.utils import CaptureQueriesContext
 
 import inventory.services
-from inventory import orders, stock
+from inventory import publishing, stock
 from inventory.exceptions import Busy
 from inventory.models import BuyerAllowance, Item, Order, OrderStatus, PaymentAttempt, StockShard
 from inventory.redis_client import get_redis_client
@@ -203,7 +203,7 @@ def test_forty_orders_go_to_the_broker_as_one_message_settled_as_one_batch(monke
     # Given forty committed orders handed to a publisher with no thread of its own
     monkeypatch.setattr(inventory.services, "order_placed", lambda pk: None)
     start_sale(sku="batch", stock=40, strategy="lua")
-    publisher = orders.OrderPublisher(background=False)
+    publisher = publishing.OrderPublisher(background=False)
     placed = [place_order(sku="batch", qty=1, buyer=f"b{n}").order.pk for n in range(40)]
     for pk in placed:
         publisher.add(pk)

@@ -23,7 +23,7 @@ from django.utils import timezone
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from inventory import keys, orders, services, stock, writer
+from inventory import keys, orders, publishing, services, stock, writer
 from inventory.exceptions import Busy
 from inventory.models import Item, Order, StockShard
 from inventory.orders import reconcile_sale
@@ -144,7 +144,7 @@ def test_a_publisher_relays_to_the_writer_and_the_writer_publishes_on_its_way_ou
     monkeypatch.setattr(services, "order_placed", lambda pk: None)
     settings.FLASHSALE_PUBLISH_INTERVAL_MS = 60_000  # the writer's own publisher waits
     placed = _placed_lock_orders("relay", 20)
-    publisher = orders.OrderPublisher(background=False, relay=OrderRelay())
+    publisher = publishing.OrderPublisher(background=False, relay=OrderRelay())
     publisher.add_many(placed)
     client = get_redis_client()
     queued = client.llen(TASK_QUEUE)
@@ -175,7 +175,7 @@ def test_orders_relayed_to_a_writer_killed_before_it_published_are_swept_again(
     queued = client.llen(TASK_QUEUE)
     try:
         settings.FLASHSALE_SALE_WRITER = sale_writer.path
-        publisher = orders.OrderPublisher(background=False, relay=OrderRelay())
+        publisher = publishing.OrderPublisher(background=False, relay=OrderRelay())
         publisher.add_many(placed)
         assert publisher.flush() == 5 and publisher.relayed == 5
 
@@ -201,7 +201,7 @@ def test_a_publisher_whose_writer_is_gone_publishes_its_orders_itself(
     monkeypatch.setattr(services, "order_placed", lambda pk: None)
     settings.FLASHSALE_SALE_WRITER = str(tmp_path / "nobody.sock")
     placed = _placed_lock_orders("unrelayed", 5)
-    publisher = orders.OrderPublisher(background=False, relay=OrderRelay())
+    publisher = publishing.OrderPublisher(background=False, relay=OrderRelay())
     publisher.add_many(placed)
     client = get_redis_client()
     queued = client.llen(TASK_QUEUE)
@@ -241,7 +241,7 @@ def test_a_publisher_whose_writer_refuses_relays_publishes_them_and_says_so_once
     monkeypatch.setattr(services, "order_placed", lambda pk: None)
     settings.FLASHSALE_SALE_WRITER = str(tmp_path / "old.sock")
     peer = _refusing_peer(settings.FLASHSALE_SALE_WRITER)
-    publisher = orders.OrderPublisher(background=False, relay=OrderRelay())
+    publisher = publishing.OrderPublisher(background=False, relay=OrderRelay())
     client = get_redis_client()
     queued = client.llen(TASK_QUEUE)
     first = _placed_lock_orders("refused-1", 3)
