@@ -121,6 +121,15 @@ def shop_server(django_db_setup, django_db_blocker) -> Iterator[ShopServer]:
     server.stop()
 
 
+@pytest.fixture
+def no_queued_orders() -> None:
+    """The session's task queue emptied: a worker started in the test settles what the test
+    sells, not first every order the tests before it sold through the session's server."""
+    from shop.celery import app
+
+    app.control.purge()
+
+
 def start_worker(concurrency: int = 2, **overrides: object) -> CeleryWorker:
     return CeleryWorker(server_env(**overrides), concurrency=concurrency).start()
 

@@ -30,7 +30,7 @@ from shop.processes.redis_server import RedisServer
 from shop.processes.servers import PROJECT_DIR as ROOT
 from tests.conftest import server_env, start_shop, start_worker, wait_until
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("no_queued_orders")]
 
 FINAL = {OrderStatus.CONFIRMED, OrderStatus.FAILED, OrderStatus.EXPIRED}
 

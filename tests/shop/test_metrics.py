@@ -25,7 +25,6 @@ from inventory.redis_client import get_redis_client
 from inventory.services import place_order, start_sale
 from inventory.strategies.base import Allocation
 from inventory.tasks import give_back_task
-from shop.celery import app as celery_app
 from shop.processes.ports import free_port
 from shop.processes.servers import PROJECT_DIR as ROOT
 from shop.processes.servers import stop_group
@@ -334,10 +333,10 @@ def test_watchdog_renewals_of_a_lock_strategy_are_counted(settings):
     assert (REGISTRY.get_sample_value("flashsale_lock_renewals_total", renewed) or 0) > before
 
 
+@pytest.mark.usefixtures("no_queued_orders")
 def test_the_worker_counts_the_orders_it_settles_and_their_lag_on_its_own_port():
     # Given a worker serving its metrics, whose payments are declined about half the time (and
     # no message of an earlier test left for it: it would count those orders too)
-    celery_app.control.purge()
     port = free_port()
     worker = start_worker(
         concurrency=2,
@@ -370,10 +369,10 @@ def test_the_worker_counts_the_orders_it_settles_and_their_lag_on_its_own_port()
     assert samples[("flashsale_settle_lag_seconds_count", ())] == 6
 
 
+@pytest.mark.usefixtures("no_queued_orders")
 def test_the_worker_counts_the_retries_of_a_task_while_redis_is_away():
     # Given an order that failed, whose units Redis has yet to get back, and a worker whose
     # Redis is not there (its broker is)
-    celery_app.control.purge()
     sku = f"retried-{uuid.uuid4().hex[:6]}"
     start_sale(sku=sku, stock=5, strategy="lua")
     order = place_order(sku=sku, qty=1, buyer="declined").order
