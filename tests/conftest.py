@@ -19,7 +19,7 @@ from django.db import connection
 
 from shop import queues
 from shop.processes.servers import CeleryWorker, ShopServer
-from tests.support import delete_prefix, redis_url, unique_prefix
+from tests.support import delete_prefix, flush, redis_url, unique_prefix
 
 #: Shared by the test process and every server and worker it starts: the same Redis keys and
 #: the same Celery queue, neither of which anything outside this run touches.
@@ -29,6 +29,11 @@ TASK_QUEUE = f"{REDIS_PREFIX}-orders"
 TEST_SECRET_KEY = f"flashsale-tests-{uuid.uuid4().hex}"
 #: And take it as the bearer token of their audit endpoint.
 TEST_API_TOKEN = f"flashsale-tests-{uuid.uuid4().hex}"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The transactional tests' teardown deletes rows instead of truncating every table.
+    flush.install()
 
 
 @pytest.fixture(autouse=True, scope="session")
