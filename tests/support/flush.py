@@ -41,13 +41,13 @@ def delete_every_row(test_case: TransactionTestCase) -> None:
         return
     for alias in test_case._databases_names(include_mirrors=False):
         connection = connections[alias]
-        quoted = ", ".join(connection.ops.quote_name(name) for name in _tables_of(alias))
+        tables = [connection.ops.quote_name(name) for name in _tables_of(alias)]
         try:
             with transaction.atomic(using=alias), connection.cursor() as cursor:
-                cursor.execute(f"LOCK TABLE {quoted} IN SHARE ROW EXCLUSIVE MODE")
+                cursor.execute(f"LOCK TABLE {', '.join(tables)} IN SHARE ROW EXCLUSIVE MODE")
                 cursor.execute("SET CONSTRAINTS ALL DEFERRED")
-                for name in _tables_of(alias):
-                    cursor.execute(f"DELETE FROM {connection.ops.quote_name(name)}")
+                for table in tables:
+                    cursor.execute(f"DELETE FROM {table}")
         except DatabaseError:
             _django_teardown(test_case)
             return
