@@ -136,10 +136,72 @@ def notes(runs: Sequence[SaleRun]) -> list[str]:
     return lines
 
 
+#: The strategy the others' units/s are held against (one lock per item, no shards).
+REFERENCE = "lock"
+
+
+def goodput_ratios(run: SaleRun, runs: Sequence[SaleRun]) -> dict[str, float | None]:
+    """run's units/s as a multiple of the units/s of the `lock` run of its batch (among runs),
+    and of its baseline's requests/s; None where a figure is missing (a baseline run, a run
+    that failed, a batch without `lock` or without a baseline)."""
+    ratios: dict[str, float | None] = {"goodput_to_lock": None, "goodput_to_baseline": None}
+    if run.strategy == BASELINE or not run.goodput:
+        return ratios
+    reference = next(
+        (other for other in runs if other.batch == run.batch and other.strategy == REFERENCE),
+        None,
+    )
+    if reference is not None and reference.goodput:
+        ratios["goodput_to_lock"] = run.goodput / reference.goodput
+    if run.baseline_requests_per_second:
+        ratios["goodput_to_baseline"] = run.goodput / run.baseline_requests_per_second
+    return ratios
+
+
+def comparisons(runs: Sequence[SaleRun]) -> list[str]:
+    """One line per batch among runs: each strategy's units/s as a multiple of `lock`'s and of
+    the baseline's requests/s, measured side by side in that batch (the ratios the strategies
+    are judged by). The batch is named only when runs come from several."""
+    batches = list(dict.fromkeys(run.batch for run in runs))
+    lines = []
+    for batch in batches:
+        members = [run for run in runs if run.batch == batch]
+        sales = [run for run in members if run.strategy != BASELINE and run.goodput]
+        ratios = {run.strategy: goodput_ratios(run, members) for run in sales}
+        parts = []
+        reference = next((run for run in sales if run.strategy == REFERENCE), None)
+        others = [run for run in sales if run is not reference]
+        if reference is not None and others:
+            parts.append(
+                f"units/s against {REFERENCE}'s {reference.goodput:.0f}: "
+                + ", ".join(
+                    f"{run.strategy} {ratios[run.strategy]['goodput_to_lock']:.2f}x"
+                    for run in others
+                )
+            )
+        baseline = next(
+            (run.baseline_requests_per_second for run in sales if run.baseline_requests_per_second),
+            None,
+        )
+        if baseline:
+            parts.append(
+                f"against the baseline's {baseline:.0f} requests/s: "
+                + ", ".join(
+                    f"{run.strategy} {ratios[run.strategy]['goodput_to_baseline']:.2f}x"
+                    for run in sales
+                    if ratios[run.strategy]["goodput_to_baseline"] is not None
+                )
+            )
+        if parts:
+            lines.append(("" if len(batches) == 1 else f"{batch}: ") + "; ".join(parts))
+    return lines
+
+
 def table(runs: Sequence[SaleRun]) -> str:
-    """The comparison as fixed-width text."""
+    """The comparison as fixed-width text, the ratios between the strategies under it."""
     rows = [[cell(run, key) for key, _ in COLUMNS] for run in runs]
     lines = _fixed_width([label for _, label in COLUMNS], rows)
+    lines += comparisons(runs)
     lines += [f"* {note}" for note in notes(runs)]
     return "\n".join(lines)
 
@@ -247,7 +309,7 @@ def write_report(runs: Sequence[SaleRun], out: Path) -> dict[str, Path]:
     """Write runs.csv, runs.json and report.html into out; return their paths."""
     out.mkdir(parents=True, exist_ok=True)
     files = {"csv": out / "runs.csv", "json": out / "runs.json", "html": out / "report.html"}
-    records = [run_as_dict(run) for run in runs]
+    records = [{**run_as_dict(run), **goodput_ratios(run, runs)} for run in runs]
     flat_keys = [key for key in records[0] if key not in {"history", "audit", "parameters"}]
     with open(files["csv"], "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=[*flat_keys, "parameters"])
@@ -305,6 +367,7 @@ def render_html(runs: Sequence[SaleRun]) -> str:
     comparison = _html_table(
         [label for _, label in COLUMNS], [[cell(run, key) for key, _ in COLUMNS] for run in runs]
     )
+    ratios = "".join(f"<p>{html.escape(line)}</p>" for line in comparisons(runs))
     remarks = "".join(f"<li>{html.escape(note)}</li>" for note in notes(runs))
     rows = cpu_rows(runs)
     cpu = f"{_html_table(CPU_HEADER, rows)}<p>{html.escape(CPU_LEGEND)}</p>" if rows else ""
@@ -323,6 +386,7 @@ figure {{ margin: 0; }} figcaption {{ font-weight: 600; margin-bottom: .3rem; }}
 <p>{html.escape(parameters)}.</p>
 <p>{LEGEND}</p>
 {comparison}
+{ratios}
 <ul>{remarks}</ul>
 {cpu}
 <div class="charts">{"".join(figures)}</div>

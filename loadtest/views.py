@@ -19,7 +19,17 @@ from inventory.exceptions import InvalidRequest
 from inventory.strategies import strategy_names
 from loadtest.models import SaleRun
 
-from .report import COLUMNS, CPU_HEADER, CPU_LEGEND, LEGEND, cell, charts, cpu_rows, notes
+from .report import (
+    COLUMNS,
+    CPU_HEADER,
+    CPU_LEGEND,
+    LEGEND,
+    cell,
+    charts,
+    comparisons,
+    cpu_rows,
+    notes,
+)
 from .runs import BASELINE, LoadRunSettings, new_batch_id
 
 RECENT_RUNS = 60
@@ -148,6 +158,7 @@ def compare(request: HttpRequest) -> HttpResponse:
         "rows": [[cell(run, key) for key, _ in COLUMNS] + [run.batch, run.status] for run in runs],
         "headers": [label for _, label in COLUMNS],
         "charts": charts([(_label(run, runs), run) for run in runs]) if runs else [],
+        "comparisons": comparisons(runs),
         "notes": notes(runs),
         "legend": LEGEND,
         "cpu_rows": cpu_rows(runs),

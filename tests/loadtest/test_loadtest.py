@@ -45,6 +45,13 @@ def test_a_short_load_run_records_audits_and_reports_every_strategy(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "strategy" in result.stdout and "x HTTP" in result.stdout
     assert "settle p50 ms" in result.stdout
+    # and under it each strategy's units/s against lock's and the baseline's, in this batch
+    assert re.search(
+        r"^units/s against lock's \d+: segmented [\d.]+x, lua [\d.]+x, optimistic [\d.]+x, "
+        r"unsafe [\d.]+x; against the baseline's \d+ requests/s: lock [\d.]+x",
+        result.stdout,
+        re.MULTILINE,
+    ), result.stdout
     # and a sale run was recorded for the baseline and each strategy, in one batch
     batch = re.search(r"^batch (\S+):", result.stderr, re.MULTILINE).group(1)
     runs = {run.strategy: run for run in SaleRun.objects.filter(batch=batch)}
@@ -69,6 +76,7 @@ def test_a_short_load_run_records_audits_and_reports_every_strategy(tmp_path):
     assert {record["strategy"] for record in records} == set(runs)
     lua = next(record for record in records if record["strategy"] == "lua")
     assert lua["settle_p99_ms"] == runs["lua"].settle_p99_ms
+    assert lua["goodput_to_lock"] == pytest.approx(runs["lua"].goodput / runs["lock"].goodput)
     with open(tmp_path / "runs.csv", newline="") as handle:
         assert len(list(csv.DictReader(handle))) == 6
     page = (tmp_path / "report.html").read_text()
