@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from .contenders import BOUNDS, LUA_GROUPED, LUA_UNGROUPED, TARGETS, WORK_TARGET, Result, with_work
+from .contenders import (
+    BOUNDS,
+    HOT_ROW,
+    LUA_GROUPED,
+    LUA_UNGROUPED,
+    TARGETS,
+    WORK_TARGET,
+    Result,
+    with_work,
+)
 from .measure import PROFILE_PHASES
 
 
@@ -44,12 +53,40 @@ def ratios(rows: dict[str, Result], work_ms: int = 0) -> list[dict[str, Any]]:
                     name: (row.p999_ms, row.longest_ms),
                     versus: (versus_row.p999_ms, versus_row.longest_ms),
                 }
+                check["even_share"] = {
+                    **even_share(row, versus_row.p99_ms * (target or 0), rows.get(HOT_ROW)),
+                    "versus_mean_ms": mean_ms(versus_row),
+                }
         elif row is not None and versus_row is not None and versus_row.buys_per_second:
             check["ratio"] = row.buys_per_second / versus_row.buys_per_second
             if target is not None:
                 check["met"] = check["ratio"] >= target
         checks.append(check)
     return checks
+
+
+def even_share(row: Result, p99_ms: float, ceiling: Result | None) -> dict[str, Any]:
+    """What a p99 target of `p99_ms` asks of `row`, a lock that serves its buyers in turn.
+    Every buyer buys again as soon as it has bought, so by Little's law a sale takes buyers /
+    buys/s on average, whatever the lock. One that hands itself to its longest waiter keeps
+    each sale near that mean, so its p99 is no lower (a p99 below the mean is a tail carried by
+    under 1% of the sales: buyers left waiting). Hence the buys/s it needs for that p99:
+    buyers / p99, here also as a multiple of `ceiling`'s (the hot row)."""
+    needed = row.buyers / (p99_ms / 1000) if p99_ms else float("inf")
+    return {
+        "mean_ms": mean_ms(row),
+        "p99_ms": p99_ms,
+        "needed": needed,
+        "ceiling": (ceiling.contender, needed / ceiling.buys_per_second)
+        if ceiling is not None and ceiling.buys_per_second
+        else None,
+    }
+
+
+def mean_ms(row: Result) -> float | None:
+    """How long a sale took on average, by Little's law: buyers / buys/s (every buyer buys
+    again as soon as it has bought)."""
+    return 1000 * row.buyers / row.buys_per_second if row.buys_per_second else None
 
 
 def _format(value: float | None, spec: str) -> str:
@@ -144,3 +181,16 @@ def print_ratios(checks: list[dict[str, Any]]) -> None:
                     for name, (p999, longest) in check["tail"].items()
                 )
             )
+        if "even_share" in check:
+            share = check["even_share"]
+            line = (
+                f"    a sale takes buyers / buys/s on average: {check['what']} "
+                f"{_format(share['mean_ms'], '.1f')} ms, {check['versus']} "
+                f"{_format(share['versus_mean_ms'], '.1f')}; serving its buyers in turn keeps "
+                f"{check['what']}'s p99 at or above its mean, so a p99 of "
+                f"{share['p99_ms']:.2f} ms needs {share['needed']:,.0f} buys/s"
+            )
+            if share["ceiling"] is not None:
+                ceiling, times = share["ceiling"]
+                line += f", {times:.2f}x the {ceiling}"
+            print(line)

@@ -13,7 +13,8 @@ import pytest
 
 from inventory.exceptions import Busy
 from loadtest.bench.buyers import buy_until_done
-from loadtest.bench.contenders import PEERS, BuyerReport
+from loadtest.bench.contenders import HOT_ROW, PEERS, REDIS_PY_DEFAULT, BuyerReport, Result
+from loadtest.bench.report import ratios
 from shop.processes.servers import PROJECT_DIR as ROOT
 from tests.conftest import server_env
 
@@ -73,6 +74,12 @@ def test_a_tiny_run_prints_every_contender_and_no_safe_one_oversells(django_db_s
     assert re.search(
         r"its tail, ms: lock p99\.9 \d+\.\d, longest \d+\.\d; "
         r"redis-py Lock sleep=0\.1 p99\.9 \d+\.\d, longest \d+\.\d",
+        result.stdout,
+    ), result.stdout
+    # and what that p99 target asks of a lock that serves its buyers in turn
+    assert re.search(
+        r"a sale takes buyers / buys/s on average: lock \d+\.\d ms, redis-py Lock sleep=0\.1 "
+        r"\d+\.\d; .* a p99 of \d+\.\d\d ms needs [\d,]+ buys/s, \d+\.\d\dx the hot row",
         result.stdout,
     ), result.stdout
     assert re.search(r"lua, sale writer\s+vs hot row \(SQL\)\s+\d+\.\d\dx", result.stdout)
@@ -209,3 +216,34 @@ def test_a_sales_time_runs_from_the_first_call_for_its_unit_busy_answers_include
     assert report.sold == 2 and report.busy == 2 and not report.capped
     assert len(report.sale_seconds) == 2
     assert report.sale_seconds[0] >= 0.04
+
+
+def test_a_p99_target_asks_a_lock_that_serves_in_turn_for_buyers_over_that_p99():
+    # Given a round of 8 buyers: `lock` sold 1,000 buys/s, a peer had a p99 of 4 ms, and the
+    # hot row sold 2,000 buys/s
+    def result(name: str, rate: float, p99: float) -> Result:
+        return Result(
+            contender=name, kind="strategy", round=1, buyers=8, stock=5000, sold=5000, busy=0,
+            seconds=5000 / rate, buys_per_second=rate, capped=False, errors=[],
+            accepted_units=5000, oversold=0, remaining=0, consistent=True, safe=True,
+            client_cpu_ms_per_buy=None, postgres_cpu_ms_per_buy=None,
+            redis_cpu_ms_per_buy=None, host_cpu_busy=None, p99_ms=p99,
+        )  # fmt: skip
+
+    rows = {
+        "lock": result("lock", 1000, 12.0),
+        REDIS_PY_DEFAULT: result(REDIS_PY_DEFAULT, 1250, 4.0),
+        HOT_ROW: result(HOT_ROW, 2000, 15.0),
+    }
+
+    # When the p99 target (0.2x the peer's) is checked
+    (check,) = [c for c in ratios(rows) if c["measure"] == "p99"]
+
+    # Then a sale took buyers / buys/s on average (8 ms, 6.4 ms), and a p99 of 0.8 ms asks
+    # 8 / 0.8 ms = 10,000 buys/s, five times the hot row
+    share = check["even_share"]
+    assert share["mean_ms"] == pytest.approx(8.0)
+    assert share["versus_mean_ms"] == pytest.approx(6.4)
+    assert share["p99_ms"] == pytest.approx(0.8)
+    assert share["needed"] == pytest.approx(10_000)
+    assert share["ceiling"] == (HOT_ROW, pytest.approx(5.0))
