@@ -14,7 +14,14 @@ from loadtest.report import comparisons, goodput_ratios, table, write_report
 
 
 def _batch(name: str, goodput: dict[str, float | None], baseline: float | None) -> list[SaleRun]:
-    runs = [SaleRun(batch=name, strategy="baseline", requests_per_second=baseline)]
+    runs = [
+        SaleRun(
+            batch=name,
+            strategy="baseline",
+            requests_per_second=baseline,
+            status=SaleRun.Status.DONE,
+        )
+    ]
     for strategy, units in goodput.items():
         runs.append(
             SaleRun(
@@ -71,28 +78,10 @@ def test_runs_of_several_batches_are_compared_within_their_own_batch():
 @pytest.mark.django_db
 def test_the_reports_and_the_compare_page_carry_the_ratios(tmp_path):
     # Given a recorded batch
-    common = {"status": SaleRun.Status.DONE, "parameters": {"strategies": ["lock", "lua"]}}
-    runs = [
-        SaleRun.objects.create(
-            batch="b-ratios", strategy="baseline", requests_per_second=1600, **common
-        ),
-        SaleRun.objects.create(
-            batch="b-ratios",
-            strategy="lock",
-            goodput=320,
-            baseline_requests_per_second=1600,
-            audit={"sold_out": True},
-            **common,
-        ),
-        SaleRun.objects.create(
-            batch="b-ratios",
-            strategy="lua",
-            goodput=640,
-            baseline_requests_per_second=1600,
-            audit={"sold_out": True},
-            **common,
-        ),
-    ]
+    runs = _batch("b-ratios", {"lock": 320, "lua": 640}, 1600)
+    for run in runs:
+        run.parameters = {"strategies": ["lock", "lua"]}
+        run.save()
     line = (
         "units/s against lock's 320: lua 2.00x; against the baseline's 1600 requests/s: "
         "lock 0.20x, lua 0.40x"
