@@ -168,29 +168,30 @@ def comparisons(runs: Sequence[SaleRun]) -> list[str]:
         members = [run for run in runs if run.batch == batch]
         sales = [run for run in members if run.strategy != BASELINE and run.goodput]
         ratios = {run.strategy: goodput_ratios(run, members) for run in sales}
+        to_lock = [
+            f"{strategy} {ratio['goodput_to_lock']:.2f}x"
+            for strategy, ratio in ratios.items()
+            if strategy != REFERENCE and ratio["goodput_to_lock"] is not None
+        ]
+        to_baseline = [
+            f"{strategy} {ratio['goodput_to_baseline']:.2f}x"
+            for strategy, ratio in ratios.items()
+            if ratio["goodput_to_baseline"] is not None
+        ]
         parts = []
-        reference = next((run for run in sales if run.strategy == REFERENCE), None)
-        others = [run for run in sales if run is not reference]
-        if reference is not None and others:
+        if to_lock:
+            reference = next(run for run in sales if run.strategy == REFERENCE)
             parts.append(
-                f"units/s against {REFERENCE}'s {reference.goodput:.0f}: "
-                + ", ".join(
-                    f"{run.strategy} {ratios[run.strategy]['goodput_to_lock']:.2f}x"
-                    for run in others
-                )
+                f"units/s against {REFERENCE}'s {reference.goodput:.0f}: " + ", ".join(to_lock)
             )
-        baseline = next(
-            (run.baseline_requests_per_second for run in sales if run.baseline_requests_per_second),
-            None,
-        )
-        if baseline:
+        if to_baseline:
+            baseline = next(
+                run.baseline_requests_per_second
+                for run in sales
+                if run.baseline_requests_per_second
+            )
             parts.append(
-                f"against the baseline's {baseline:.0f} requests/s: "
-                + ", ".join(
-                    f"{run.strategy} {ratios[run.strategy]['goodput_to_baseline']:.2f}x"
-                    for run in sales
-                    if ratios[run.strategy]["goodput_to_baseline"] is not None
-                )
+                f"against the baseline's {baseline:.0f} requests/s: " + ", ".join(to_baseline)
             )
         if parts:
             lines.append(("" if len(batches) == 1 else f"{batch}: ") + "; ".join(parts))

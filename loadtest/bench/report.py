@@ -53,10 +53,9 @@ def ratios(rows: dict[str, Result], work_ms: int = 0) -> list[dict[str, Any]]:
                     name: (row.p999_ms, row.longest_ms),
                     versus: (versus_row.p999_ms, versus_row.longest_ms),
                 }
-                check["even_share"] = {
-                    **even_share(row, versus_row.p99_ms * (target or 0), rows.get(HOT_ROW)),
-                    "versus_mean_ms": mean_ms(versus_row),
-                }
+                check["even_share"] = even_share(
+                    row, versus_row, versus_row.p99_ms * (target or 0), rows.get(HOT_ROW)
+                )
         elif row is not None and versus_row is not None and versus_row.buys_per_second:
             check["ratio"] = row.buys_per_second / versus_row.buys_per_second
             if target is not None:
@@ -65,8 +64,11 @@ def ratios(rows: dict[str, Result], work_ms: int = 0) -> list[dict[str, Any]]:
     return checks
 
 
-def even_share(row: Result, p99_ms: float, ceiling: Result | None) -> dict[str, Any]:
-    """What a p99 target of `p99_ms` asks of `row`, a lock that serves its buyers in turn.
+def even_share(
+    row: Result, versus_row: Result, p99_ms: float, ceiling: Result | None
+) -> dict[str, Any]:
+    """What a p99 target of `p99_ms` (set by `versus_row`'s) asks of `row`, a lock that serves
+    its buyers in turn.
     Every buyer buys again as soon as it has bought, so by Little's law a sale takes buyers /
     buys/s on average, whatever the lock. One that hands itself to its longest waiter keeps
     each sale near that mean, so its p99 is no lower (a p99 below the mean is a tail carried by
@@ -75,6 +77,7 @@ def even_share(row: Result, p99_ms: float, ceiling: Result | None) -> dict[str, 
     needed = row.buyers / (p99_ms / 1000) if p99_ms else float("inf")
     return {
         "mean_ms": mean_ms(row),
+        "versus_mean_ms": mean_ms(versus_row),
         "p99_ms": p99_ms,
         "needed": needed,
         "ceiling": (ceiling.contender, needed / ceiling.buys_per_second)
