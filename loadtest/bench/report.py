@@ -23,8 +23,12 @@ def median_row(results: list[Result]) -> Result:
     return ranked[(len(ranked) - 1) // 2]
 
 
-def ratios(rows: dict[str, Result], work_ms: int = 0) -> list[dict[str, Any]]:
-    """The targets (with `segmented` vs `lock` also under --work-ms), then the bounds."""
+def ratios(
+    rows: dict[str, Result], work_ms: int = 0, rounds: dict[str, list[Result]] | None = None
+) -> list[dict[str, Any]]:
+    """The targets (with `segmented` vs `lock` also under --work-ms), then the bounds, each
+    from the median rows; with `rounds` (every contender's results, round by round), each also
+    gives its ratio in every round (`round_ratios`), so that a median's spread shows."""
     pairs: list[tuple[str, str, float | None, str]] = list(TARGETS)
     if work_ms:
         pairs.insert(
@@ -45,23 +49,44 @@ def ratios(rows: dict[str, Result], work_ms: int = 0) -> list[dict[str, Any]]:
             "target": target,
             "measure": measure,
         }
+        ratio = _ratio(row, versus_row, measure)
+        if ratio is not None and rounds and len(rounds.get(name, ())) > 1:
+            check["round_ratios"] = [
+                _ratio(mine, theirs, measure)
+                for mine, theirs in zip(rounds[name], rounds.get(versus, []), strict=False)
+            ]
         if measure == "p99":
-            if row is not None and versus_row is not None and row.p99_ms and versus_row.p99_ms:
-                check["ratio"] = row.p99_ms / versus_row.p99_ms
-                check["met"] = check["ratio"] <= target
+            if ratio is not None and row is not None and versus_row and versus_row.p99_ms:
+                limit = target or 0.0
+                check["ratio"] = ratio
+                check["met"] = ratio <= limit
                 check["tail"] = {
                     name: (row.p999_ms, row.longest_ms),
                     versus: (versus_row.p999_ms, versus_row.longest_ms),
                 }
                 check["even_share"] = even_share(
-                    row, versus_row, versus_row.p99_ms * (target or 0), rows.get(HOT_ROW)
+                    row, versus_row, versus_row.p99_ms * limit, rows.get(HOT_ROW)
                 )
-        elif row is not None and versus_row is not None and versus_row.buys_per_second:
-            check["ratio"] = row.buys_per_second / versus_row.buys_per_second
+        elif ratio is not None:
+            check["ratio"] = ratio
             if target is not None:
-                check["met"] = check["ratio"] >= target
+                check["met"] = ratio >= target
         checks.append(check)
     return checks
+
+
+def _ratio(row: Result | None, versus_row: Result | None, measure: str) -> float | None:
+    """`row`'s buys/s over `versus_row`'s, or its p99 over theirs; None where either is
+    missing or the divisor is 0."""
+    if row is None or versus_row is None:
+        return None
+    if measure == "p99":
+        if not (row.p99_ms and versus_row.p99_ms):
+            return None
+        return row.p99_ms / versus_row.p99_ms
+    if not versus_row.buys_per_second:
+        return None
+    return row.buys_per_second / versus_row.buys_per_second
 
 
 def even_share(
@@ -175,6 +200,11 @@ def print_ratios(checks: list[dict[str, Any]]) -> None:
             verdict = "met" if check["met"] else "MISSED"
             sign = "<=" if check["measure"] == "p99" else ">="
             line += f"  (target {sign} {check['target']:.2f}x): {verdict}"
+        if check.get("round_ratios"):
+            line += "; rounds: " + ", ".join(
+                _format(ratio, ".2f") + ("x" if ratio is not None else "")
+                for ratio in check["round_ratios"]
+            )
         print(line)
         if "tail" in check:
             print(

@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         print_profile(rows)
     by_name = {row.contender: row for row in rows}
-    checks = ratios(by_name, args.work_ms)
+    checks = ratios(by_name, args.work_ms, results)
     print_ratios(checks)
     print(
         "\nbuys/s: units sold / seconds from the start barrier to the last sale. cpu py: the "

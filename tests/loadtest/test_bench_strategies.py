@@ -14,7 +14,7 @@ import pytest
 from inventory.exceptions import Busy
 from loadtest.bench.buyers import buy_until_done
 from loadtest.bench.contenders import HOT_ROW, PEERS, REDIS_PY_DEFAULT, BuyerReport, Result
-from loadtest.bench.report import ratios
+from loadtest.bench.report import median_row, print_ratios, ratios
 from shop.processes.servers import PROJECT_DIR as ROOT
 from tests.conftest import server_env
 
@@ -218,18 +218,21 @@ def test_a_sales_time_runs_from_the_first_call_for_its_unit_busy_answers_include
     assert report.sale_seconds[0] >= 0.04
 
 
+def _result(name: str, rate: float, p99: float, round_: int = 1) -> Result:
+    """A round of 8 buyers selling 5,000 units at `rate` buys/s."""
+    return Result(
+        contender=name, kind="strategy", round=round_, buyers=8, stock=5000, sold=5000, busy=0,
+        seconds=5000 / rate, buys_per_second=rate, capped=False, errors=[],
+        accepted_units=5000, oversold=0, remaining=0, consistent=True, safe=True,
+        client_cpu_ms_per_buy=None, postgres_cpu_ms_per_buy=None,
+        redis_cpu_ms_per_buy=None, host_cpu_busy=None, p99_ms=p99,
+    )  # fmt: skip
+
+
 def test_a_p99_target_asks_a_lock_that_serves_in_turn_for_buyers_over_that_p99():
     # Given a round of 8 buyers: `lock` sold 1,000 buys/s, a peer had a p99 of 4 ms, and the
     # hot row sold 2,000 buys/s
-    def result(name: str, rate: float, p99: float) -> Result:
-        return Result(
-            contender=name, kind="strategy", round=1, buyers=8, stock=5000, sold=5000, busy=0,
-            seconds=5000 / rate, buys_per_second=rate, capped=False, errors=[],
-            accepted_units=5000, oversold=0, remaining=0, consistent=True, safe=True,
-            client_cpu_ms_per_buy=None, postgres_cpu_ms_per_buy=None,
-            redis_cpu_ms_per_buy=None, host_cpu_busy=None, p99_ms=p99,
-        )  # fmt: skip
-
+    result = _result
     rows = {
         "lock": result("lock", 1000, 12.0),
         REDIS_PY_DEFAULT: result(REDIS_PY_DEFAULT, 1250, 4.0),
@@ -247,3 +250,30 @@ def test_a_p99_target_asks_a_lock_that_serves_in_turn_for_buyers_over_that_p99()
     assert share["p99_ms"] == pytest.approx(0.8)
     assert share["needed"] == pytest.approx(10_000)
     assert share["ceiling"] == (HOT_ROW, pytest.approx(5.0))
+
+
+def test_each_target_gives_its_ratio_round_by_round_beside_the_medians(capsys):
+    # Given three rounds in which the hot row moved more than the writer: 1.33x, 2.27x and
+    # 1.31x round by round, while the medians (3,308 and 1,646) give 2.01x
+    writer = [3308, 3392, 2154]
+    hot_row = [2486, 1492, 1646]
+    rounds = {
+        "lua, sale writer": [_result("lua, sale writer", r, 5.0, i) for i, r in enumerate(writer)],
+        HOT_ROW: [_result(HOT_ROW, r, 15.0, i) for i, r in enumerate(hot_row)],
+    }
+    medians = {name: median_row(results) for name, results in rounds.items()}
+
+    # When the targets are worked out and printed
+    checks = ratios(medians, 0, rounds)
+    print_ratios(checks)
+
+    # Then the verdict is the medians' ratio, and every round's ratio is given beside it
+    (check,) = [c for c in checks if c["what"] == "lua, sale writer" and c["versus"] == HOT_ROW]
+    assert check["ratio"] == pytest.approx(3308 / 1646)
+    assert check["met"] is True
+    assert check["round_ratios"] == pytest.approx([3308 / 2486, 3392 / 1492, 2154 / 1646])
+    assert "2.01x  (target >= 2.00x): met; rounds: 1.33x, 2.27x, 1.31x" in capsys.readouterr().out
+    # and a ratio with nothing measured, or a single round, has none
+    assert all("round_ratios" not in c for c in checks if c is not check)
+    single = {name: results[:1] for name, results in rounds.items()}
+    assert all("round_ratios" not in c for c in ratios(medians, 0, single))
