@@ -137,6 +137,9 @@ class Result:
     postgres_cpu_ms_per_buy: float | None
     redis_cpu_ms_per_buy: float | None
     host_cpu_busy: float | None
+    #: Bytes the PostgreSQL server wrote to its write-ahead log per unit sold (each commit's
+    #: rows, index entries and the pages first changed since the last checkpoint, written whole).
+    wal_bytes_per_buy: float | None = None
     #: Time one sale took, from the buyer's first call for its unit to the sale: median and
     #: 99th percentile.
     p50_ms: float | None = None

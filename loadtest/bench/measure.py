@@ -61,6 +61,20 @@ def redis_cpu_seconds() -> float | None:
     )
 
 
+def wal_position() -> int | None:
+    """How many bytes the PostgreSQL server has written to its write-ahead log so far (every
+    database of the server, anything writing to it counted), or None where it cannot say (a
+    standby, an error)."""
+    from django.db import DatabaseError, connection
+
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint")
+            return int(cursor.fetchone()[0])
+    except DatabaseError:
+        return None
+
+
 # -- where the time goes (--profile) ----------------------------------------------------------
 
 

@@ -117,6 +117,10 @@ def mean_ms(row: Result) -> float | None:
     return 1000 * row.buyers / row.buys_per_second if row.buys_per_second else None
 
 
+def _kilobytes(value: float | None) -> float | None:
+    return None if value is None else value / 1024
+
+
 def _format(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -127,7 +131,7 @@ def print_table(rows: list[Result], rounds: int) -> None:
     header = (
         f"{'contender':<27} {'buys/s':>7} {'sold':>6} {'busy':>5} {'oversold':>8} "
         f"{'remaining':>9} {'consistent':>10} {'cpu py':>7} {'cpu pg':>7} {'cpu redis':>9} "
-        f"{'host cpu':>8} {'p50 ms':>7} {'p99 ms':>7} {'fewest':>6}"
+        f"{'wal kB':>6} {'host cpu':>8} {'p50 ms':>7} {'p99 ms':>7} {'fewest':>6}"
     )
     print(header)
     print("-" * len(header))
@@ -141,6 +145,7 @@ def print_table(rows: list[Result], rounds: int) -> None:
             f"{_format(row.client_cpu_ms_per_buy, '.2f'):>7} "
             f"{_format(row.postgres_cpu_ms_per_buy, '.2f'):>7} "
             f"{_format(row.redis_cpu_ms_per_buy, '.3f'):>9} "
+            f"{_format(_kilobytes(row.wal_bytes_per_buy), '.2f'):>6} "
             f"{_format(None if row.host_cpu_busy is None else 100 * row.host_cpu_busy, '.0f'):>7}%"
             f" {_format(row.p50_ms, '.2f'):>7} {_format(row.p99_ms, '.1f'):>7}"
             f" {_format(row.fewest_share, '.2f'):>6}{note}"

@@ -26,6 +26,7 @@ from .measure import (
     process_cpu_seconds,
     redis_cpu_seconds,
     scheduled_seconds,
+    wal_position,
 )
 
 # -- one contender ---------------------------------------------------------------------------
@@ -222,7 +223,7 @@ def run_contender(contender: Contender, args: argparse.Namespace, round_: int) -
         process.start()
 
     gathered: dict[int, dict[str, Any]] = {}
-    host_before = redis_before = None
+    host_before = redis_before = wal_before = None
     started_at = time.monotonic()
     try:
         # Two turns of the barrier: the first once every buyer is warm and waiting, so that
@@ -232,6 +233,7 @@ def run_contender(contender: Contender, args: argparse.Namespace, round_: int) -
         try:
             host_before = host_cpu_times()
             redis_before = redis_cpu_seconds()
+            wal_before = wal_position()
             if writer is not None:
                 writer.mark()
         except BaseException:
@@ -252,6 +254,7 @@ def run_contender(contender: Contender, args: argparse.Namespace, round_: int) -
         pass  # the missing buyers are reported below
     host_after = host_cpu_times()
     redis_after = redis_cpu_seconds()
+    wal_after = wal_position()
     for process in processes:
         process.join(5)
         if process.is_alive():
@@ -314,6 +317,9 @@ def run_contender(contender: Contender, args: argparse.Namespace, round_: int) -
         else per_buy(sum(seconds or 0.0 for seconds in backend) + writer_backend_cpu),
         redis_cpu_ms_per_buy=per_buy(redis_cpu),
         host_cpu_busy=host_busy,
+        wal_bytes_per_buy=(wal_after - wal_before) / sold
+        if wal_before is not None and wal_after is not None and sold
+        else None,
         p50_ms=percentile_ms(durations, 0.50),
         p99_ms=percentile_ms(durations, 0.99),
         p999_ms=percentile_ms(durations, 0.999),

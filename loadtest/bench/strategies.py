@@ -302,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "\nbuys/s: units sold / seconds from the start barrier to the last sale. cpu py: the "
         "buyer processes; cpu pg: their PostgreSQL backends; cpu redis: the whole Redis server; "
-        "host cpu: all CPUs of this machine, anything else running included. p50/p99 ms: how "
+        "wal kB: what the PostgreSQL server wrote to its write-ahead log per unit sold (every "
+        "database of the server, anything else writing to it counted); host cpu: all CPUs of "
+        "this machine, anything else running included. p50/p99 ms: how "
         "long one sale took a buyer, from its first call for the unit, busy answers and retries "
         "included (a lock that lets its waiters sleep can sell fast and still keep some buyers "
         "waiting long). fewest: the fewest units one buyer sold, over an even "

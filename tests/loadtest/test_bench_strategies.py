@@ -104,6 +104,8 @@ def test_a_tiny_run_prints_every_contender_and_no_safe_one_oversells(django_db_s
         assert results[name]["sold"] == results[name]["accepted_units"] <= STOCK, results[name]
         # and how evenly the buyers shared the sales: the fewest any one sold, over an even share
         assert 0.0 <= results[name]["fewest_share"] <= 1.0, results[name]
+        # and what PostgreSQL wrote to its log per unit: at least each unit's order row
+        assert results[name]["wal_bytes_per_buy"] > 100, results[name]
     assert json.loads(report.read_text())["broken"] == []
     # and the writer's own count is the round's: every `lua` sale of the round went through
     # it, and none of the warm-up's did (a `segmented` holder whose batch was refused writes
