@@ -7,7 +7,10 @@ idempotency key, a buyer never past the item's limit).
 
 from __future__ import annotations
 
+import os
 import re
+import time
+import uuid
 
 from django.conf import settings
 from django.contrib.postgres.functions import RandomUUID
@@ -181,10 +184,35 @@ class OrderStatus(models.TextChoices):
 LIVE_STATUSES = (OrderStatus.PENDING, OrderStatus.PAID, OrderStatus.CONFIRMED)
 
 
+def new_public_id() -> uuid.UUID:
+    """A new order's public id: a UUID of version 7 (RFC 9562), the millisecond it was made
+    followed by 74 random bits.
+
+    Unguessable by its random bits, as a random (version 4) UUID is; its time is the order's
+    `created_at`, which the order shows anyway. Ids made one after another sort one after
+    another, so each order's entry lands on the last pages of the public id's unique index
+    instead of a random page of it, which PostgreSQL would write whole to its log the first time
+    it changes after a checkpoint (docs/design.md, "The order's public id")."""
+    milliseconds = time.time_ns() // 1_000_000
+    random_bits = int.from_bytes(os.urandom(10), "big")
+    value = (
+        (milliseconds & 0xFFFF_FFFF_FFFF) << 80
+        | 0x7 << 76  # version 7
+        | (random_bits >> 68) << 64  # rand_a: 12 bits
+        | 0b10 << 62  # the RFC's variant
+        | random_bits & 0x3FFF_FFFF_FFFF_FFFF  # rand_b: 62 bits
+    )
+    return uuid.UUID(int=value)
+
+
 class Order(models.Model):
     #: The order's id outside the shop (API, pages, links): unguessable, so an order is seen
-    #: only by whoever was given its id (the buyer), never by counting up from one's own.
-    public_id = models.UUIDField(unique=True, editable=False, db_default=RandomUUID())
+    #: only by whoever was given its id (the buyer), never by counting up from one's own; made
+    #: by `new_public_id` (the database's own default, a random UUID, only for rows written
+    #: without one).
+    public_id = models.UUIDField(
+        unique=True, editable=False, default=new_public_id, db_default=RandomUUID()
+    )
     # No index of its own: order_item_status and order_item_buyer lead with it (every index is
     # written by every sale).
     item = models.ForeignKey(Item, on_delete=models.PROTECT, related_name="orders", db_index=False)

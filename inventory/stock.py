@@ -36,7 +36,7 @@ from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 from django.db.models import F
 from django.utils import timezone
 
-from .models import BuyerAllowance, Item, Order, OrderStatus, StockShard
+from .models import BuyerAllowance, Item, Order, OrderStatus, StockShard, new_public_id
 
 if TYPE_CHECKING:
     from .strategies.base import Allocation
@@ -193,7 +193,7 @@ def sell(order: SaleRecorder, allocation: Allocation) -> Sold | None:
         )
     units = {str(index): units for index, units in shards} or None
     now = timezone.now()
-    public_id = uuid.uuid4()
+    public_id = new_public_id()
     params: dict[str, object] = {
         "public_id": public_id,
         "item": item.pk,
@@ -384,7 +384,7 @@ def _batch_parameters(requests: list[dict[str, Any]], at: datetime, wait: str) -
     fences: dict[tuple[int, int, int], list[int]] = {}
     for request in requests:
         if not request.get("public_id"):
-            request["public_id"] = str(uuid.uuid4())
+            request["public_id"] = str(new_public_id())
         sale, item = request["sale"], request["item"]
         held = request.get("fences") or {}
         for index, units in request["rows"].items():
@@ -618,7 +618,7 @@ class SaleRecorder:
     def request(self, *, served_by: str) -> dict[str, Any]:
         """The sale as `sell_batch` takes it, less its `rows`."""
         return {
-            "public_id": str(uuid.uuid4()),
+            "public_id": str(new_public_id()),
             "item": self.item.pk,
             "sale": self.item.current_sale_id,
             "qty": self.qty,
