@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import html
 import json
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,106 @@ def comparisons(runs: Sequence[SaleRun]) -> list[str]:
             )
         if parts:
             lines.append(("" if len(batches) == 1 else f"{batch}: ") + "; ".join(parts))
+    return lines
+
+
+def round_figures(rounds: Sequence[Sequence[SaleRun]]) -> dict[str, Any]:
+    """The figures of several rounds of one load run, each round a batch of its own (the
+    baseline and every strategy, in turn): per contender its median units/s (the baseline's:
+    requests/s) and CPU per unit, and the ratios the strategies are judged by, each the ratio
+    of two medians beside the ratio of every round. A run that failed counts in no median, and
+    leaves its round's ratios out (None)."""
+
+    def rate(run: SaleRun) -> float | None:
+        if run.status != SaleRun.Status.DONE:
+            return None
+        return run.requests_per_second if run.strategy == BASELINE else run.goodput
+
+    def cpu_all(run: SaleRun) -> float | None:
+        cpu = run.audit.get("cpu") or {}
+        costs = cpu.get("per_unit_ms") or cpu.get("per_request_ms") or {}
+        return costs.get("all") if run.status == SaleRun.Status.DONE else None
+
+    def median(values: list[float | None]) -> float | None:
+        present = [value for value in values if value]
+        return statistics.median(present) if present else None
+
+    names = list(dict.fromkeys(run.strategy for runs in rounds for run in runs))
+    rates: dict[str, list[float | None]] = {}
+    contenders: dict[str, dict[str, Any]] = {}
+    for name in names:
+        members = [next((run for run in runs if run.strategy == name), None) for runs in rounds]
+        rates[name] = [None if run is None else rate(run) for run in members]
+        contenders[name] = {
+            "median": median(rates[name]),
+            "rounds": rates[name],
+            "cpu_ms_per_unit": median([None if run is None else cpu_all(run) for run in members]),
+        }
+
+    def against(reference: str, names: list[str]) -> dict[str, dict[str, Any]]:
+        if reference not in rates:
+            return {}
+        ratios = {}
+        for name in names:
+            by_round = [
+                mine / theirs if mine and theirs else None
+                for mine, theirs in zip(rates[name], rates[reference], strict=True)
+            ]
+            mine, theirs = contenders[name]["median"], contenders[reference]["median"]
+            ratios[name] = {
+                "ratio": mine / theirs if mine and theirs else None,
+                "rounds": by_round,
+            }
+        return ratios
+
+    sales = [name for name in names if name != BASELINE]
+    return {
+        "batches": [runs[0].batch if runs else None for runs in rounds],
+        "contenders": contenders,
+        "against_lock": against(REFERENCE, [name for name in sales if name != REFERENCE]),
+        "against_baseline": against(BASELINE, sales),
+    }
+
+
+def rounds_summary(figures: dict[str, Any]) -> list[str]:
+    """round_figures as lines of text: the medians, then the ratios, each round's beside."""
+
+    def number(value: float | None, form: str = "{:.0f}") -> str:
+        return "-" if value is None else form.format(value)
+
+    count = len(figures["batches"])
+    contenders = figures["contenders"]
+    rows = [
+        [
+            name,
+            number(figure["median"]),
+            ", ".join(number(value) for value in figure["rounds"]),
+            number(figure["cpu_ms_per_unit"], "{:.2f}"),
+        ]
+        for name, figure in contenders.items()
+    ]
+    lines = [f"medians of {count} rounds, each round a batch of its own:"]
+    lines += _fixed_width(["contender", "units/s", "rounds", "cpu ms per unit"], rows)
+    for reference, label in ((REFERENCE, "units/s"), (BASELINE, "requests/s")):
+        ratios = figures["against_lock" if reference == REFERENCE else "against_baseline"]
+        shown = [
+            f"{name} {number(ratio['ratio'], '{:.2f}x')} (rounds: "
+            + ", ".join(number(value, "{:.2f}x") for value in ratio["rounds"])
+            + ")"
+            for name, ratio in ratios.items()
+            if ratio["ratio"] is not None
+        ]
+        if shown:
+            median = contenders[reference]["median"]
+            lines.append(
+                f"units/s against {'the baseline' if reference == BASELINE else reference}'s "
+                f"median {median:.0f} {label}: " + ", ".join(shown)
+            )
+    lines.append(
+        "units/s (the baseline: requests/s) is the median of the rounds; each ratio is the "
+        "ratio of two medians, every round's own ratio beside it; cpu: the host's busy CPU "
+        "per unit sold (the baseline: per request), median of the rounds."
+    )
     return lines
 
 

@@ -255,21 +255,61 @@ def run_batch(
     batch = batch or new_batch_id()
     out = Path(config.out or settings.FLASHSALE_REPORTS_DIR / batch)
     out.mkdir(parents=True, exist_ok=True)
-    runs: list[SaleRun] = []
     with _target(config, batch, out, progress) as (host, parts):
         progress(f"batch {batch}: {host}, reports in {out}")
-        if config.cap_seconds < config.ramp_seconds + config.window:
-            progress(
-                f"note: a sale lasts at most {config.cap_seconds:g} s, too short for the "
-                f"crowd's ramp and a {config.window:g} s window: every window will be short"
-            )
-        baseline = _run_one(config, batch, BASELINE, host, parts, out, progress)
-        runs.append(baseline)
-        for strategy in config.strategies:
-            run = _run_one(config, batch, strategy, host, parts, out, progress)
-            run.baseline_requests_per_second = baseline.requests_per_second
-            run.save(update_fields=["baseline_requests_per_second"])
-            runs.append(run)
+        return _run_batch(config, batch, host, parts, out, progress)
+
+
+#: The most rounds one load run makes.
+MAX_ROUNDS = 10
+
+
+def run_rounds(
+    config: LoadRunSettings, rounds: int, *, progress: Progress = print_progress
+) -> list[Batch]:
+    """Run the batch `rounds` times over, on the same server: each round a batch of its own
+    (the baseline, then every strategy), recorded and reported in a folder of its own
+    (round-1, round-2, ... in the load run's folder). On a noisy machine the median of the
+    rounds, and each round's own ratios, say more than one batch can."""
+    config.validate()
+    if not 1 <= rounds <= MAX_ROUNDS:
+        raise InvalidRequest(f"rounds: from 1 to {MAX_ROUNDS}")
+    first = new_batch_id()
+    out = Path(config.out or settings.FLASHSALE_REPORTS_DIR / first)
+    out.mkdir(parents=True, exist_ok=True)
+    batches = []
+    with _target(config, first, out, progress) as (host, parts):
+        for number in range(1, rounds + 1):
+            batch = first if number == 1 else new_batch_id()
+            folder = out / f"round-{number}"
+            progress(f"round {number} of {rounds}, batch {batch}: {host}, reports in {folder}")
+            batches.append(_run_batch(config, batch, host, parts, folder, progress))
+    return batches
+
+
+def _run_batch(
+    config: LoadRunSettings,
+    batch: str,
+    host: str,
+    parts: dict[int, str],
+    out: Path,
+    progress: Progress,
+) -> Batch:
+    """The baseline, then every strategy, against the server at host; the batch's report."""
+    out.mkdir(parents=True, exist_ok=True)
+    if config.cap_seconds < config.ramp_seconds + config.window:
+        progress(
+            f"note: a sale lasts at most {config.cap_seconds:g} s, too short for the "
+            f"crowd's ramp and a {config.window:g} s window: every window will be short"
+        )
+    runs: list[SaleRun] = []
+    baseline = _run_one(config, batch, BASELINE, host, parts, out, progress)
+    runs.append(baseline)
+    for strategy in config.strategies:
+        run = _run_one(config, batch, strategy, host, parts, out, progress)
+        run.baseline_requests_per_second = baseline.requests_per_second
+        run.save(update_fields=["baseline_requests_per_second"])
+        runs.append(run)
     files = write_report(runs, out)
     return Batch(batch=batch, out=out, runs=runs, files=files)
 

@@ -10,7 +10,14 @@ from django.contrib.auth.models import User
 from django.test import Client
 
 from loadtest.models import SaleRun
-from loadtest.report import comparisons, goodput_ratios, table, write_report
+from loadtest.report import (
+    comparisons,
+    goodput_ratios,
+    round_figures,
+    rounds_summary,
+    table,
+    write_report,
+)
 
 
 def _batch(name: str, goodput: dict[str, float | None], baseline: float | None) -> list[SaleRun]:
@@ -107,3 +114,60 @@ def test_the_reports_and_the_compare_page_carry_the_ratios(tmp_path):
     client.login(username="boss", password="pw-for-tests-only")
     page = client.get("/admin/compare/?batch=b-ratios").content.decode()
     assert f'<p class="comparison">{line}</p>' in page.replace("&#x27;", "'")
+
+
+def test_rounds_give_each_strategy_its_median_and_the_ratios_of_medians_round_by_round():
+    # Given three rounds, each a batch of its own; lua's run failed in the third
+    rounds = [
+        _batch("r1", {"lock": 300, "segmented": 450, "lua": 600}, 1500),
+        _batch("r2", {"lock": 400, "segmented": 480, "lua": 700}, 1700),
+        _batch("r3", {"lock": 350, "segmented": 700, "lua": None}, 1600),
+    ]
+    rounds[0][3].audit["cpu"] = {"per_unit_ms": {"all": 3.0}}
+    rounds[1][3].audit["cpu"] = {"per_unit_ms": {"all": 2.0}}
+
+    # When their figures are summed up
+    figures = round_figures(rounds)
+
+    # Then each contender has the median of the rounds it ran in, and every round's figure
+    assert figures["batches"] == ["r1", "r2", "r3"]
+    assert figures["contenders"]["baseline"]["median"] == 1600
+    assert figures["contenders"]["lock"] == {
+        "median": 350,
+        "rounds": [300, 400, 350],
+        "cpu_ms_per_unit": None,
+    }
+    assert figures["contenders"]["lua"]["median"] == 650  # of the two rounds it sold in
+    assert figures["contenders"]["lua"]["rounds"] == [600, 700, None]
+    assert figures["contenders"]["lua"]["cpu_ms_per_unit"] == 2.5
+    # and each ratio is the ratio of two medians, beside each round's own (none for a failed
+    # run)
+    lua = figures["against_lock"]["lua"]
+    assert lua["ratio"] == pytest.approx(650 / 350)
+    assert lua["rounds"] == [pytest.approx(2.0), pytest.approx(1.75), None]
+    assert figures["against_lock"]["segmented"]["ratio"] == pytest.approx(480 / 350)
+    assert "lock" not in figures["against_lock"]
+    assert figures["against_baseline"]["lock"]["rounds"] == [
+        pytest.approx(0.2),
+        pytest.approx(400 / 1700),
+        pytest.approx(350 / 1600),
+    ]
+
+    # and the text says the same
+    text = "\n".join(rounds_summary(figures))
+    assert text.startswith("medians of 3 rounds")
+    assert (
+        "units/s against lock's median 350 units/s: segmented 1.37x (rounds: 1.50x, 1.20x, "
+        "2.00x), lua 1.86x (rounds: 2.00x, 1.75x, -)"
+    ) in text.splitlines()
+    assert "units/s against the baseline's median 1600 requests/s: lock 0.22x" in text
+    lua_row = next(line for line in text.splitlines() if line.startswith("lua "))
+    assert lua_row.split() == ["lua", "650", "600,", "700,", "-", "2.50"]
+
+
+def test_rounds_without_lock_give_no_ratio_against_it():
+    figures = round_figures([_batch("r1", {"lua": 600}, 1500), _batch("r2", {"lua": 500}, 1000)])
+
+    assert figures["against_lock"] == {}
+    assert figures["against_baseline"]["lua"]["ratio"] == pytest.approx(550 / 1250)
+    assert not any("against lock" in line for line in rounds_summary(figures))

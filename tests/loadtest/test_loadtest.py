@@ -13,6 +13,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
+from django.core.management import CommandError, call_command
 from django.db import connection
 
 from inventory.models import Item, Order
@@ -185,3 +186,68 @@ def test_a_database_not_migrated_is_a_clear_error_and_nothing_runs():
     finally:
         with connection.cursor() as cursor:
             cursor.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--rounds", "0"], "--rounds: from 1 to 10"),
+        (["--rounds", "11"], "--rounds: from 1 to 10"),
+        (["--rounds", "2", "--batch", "20261127-050000-abcd"], "give no --batch"),
+    ],
+)
+def test_bad_rounds_are_refused_and_nothing_runs(arguments, message):
+    before = SaleRun.objects.count()
+
+    with pytest.raises(CommandError, match=re.escape(message)):
+        call_command("loadtest", "--strategies", "lua", *arguments)
+
+    assert SaleRun.objects.count() == before
+
+
+@pytest.mark.slow
+def test_rounds_run_every_strategy_again_each_round_and_sum_them_up_in_medians(tmp_path):
+    # Given two strategies, a small stock and two rounds
+    command = [
+        sys.executable, "manage.py", "loadtest", "--strategies", "lock,lua",
+        "--stock", "20", "--users", "8", "--spawn-rate", "60", "--duration", "4",
+        "--server-workers", "2", "--rounds", "2", "--out", str(tmp_path),
+    ]  # fmt: skip
+
+    # When the load run runs them
+    result = subprocess.run(
+        command, cwd=ROOT, env=server_env(), capture_output=True, text=True, timeout=300
+    )
+
+    # Then each round is a batch of its own, with a baseline and both strategies, each sale
+    # sold exactly, and its reports in a folder of its own
+    assert result.returncode == 0, result.stderr[-3000:]
+    batches = re.findall(r"^round \d of 2, batch (\S+):", result.stderr, re.MULTILINE)
+    assert len(set(batches)) == 2, result.stderr[-3000:]
+    for number, batch in enumerate(batches, start=1):
+        runs = {run.strategy: run for run in SaleRun.objects.filter(batch=batch)}
+        assert set(runs) == {"baseline", "lock", "lua"}
+        for name in ("lock", "lua"):
+            assert runs[name].status == SaleRun.Status.DONE, runs[name].error
+            assert runs[name].accepted_units == 20 and runs[name].oversold == 0, name
+            assert runs[name].remaining == 0, name
+        report = json.loads((tmp_path / f"round-{number}" / "runs.json").read_text())
+        assert {record["batch"] for record in report["runs"]} == {batch}
+    # and the medians of the rounds are printed and written, beside every round's figures
+    figures = json.loads((tmp_path / "rounds.json").read_text())
+    assert figures["batches"] == batches
+    for name in ("baseline", "lock", "lua"):
+        runs = [SaleRun.objects.get(batch=batch, strategy=name) for batch in batches]
+        rates = [run.requests_per_second if name == "baseline" else run.goodput for run in runs]
+        assert figures["contenders"][name]["rounds"] == pytest.approx(rates)
+        assert figures["contenders"][name]["median"] == pytest.approx(sum(rates) / 2)
+    lua = figures["against_lock"]["lua"]
+    assert lua["ratio"] == pytest.approx(
+        figures["contenders"]["lua"]["median"] / figures["contenders"]["lock"]["median"]
+    )
+    assert "medians of 2 rounds" in result.stdout
+    assert re.search(
+        r"^units/s against lock's median \d+ units/s: lua [\d.]+x \(rounds: [\d.]+x, [\d.]+x\)$",
+        result.stdout,
+        re.MULTILINE,
+    ), result.stdout

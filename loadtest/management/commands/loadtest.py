@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,23 @@ from django.db.migrations.executor import MigrationExecutor
 from inventory.exceptions import InvalidRequest
 from inventory.strategies import oversells, strategy_names
 from loadtest import sandbox
-from loadtest.report import BASELINE, cpu_table, stranded, table
-from loadtest.runs import BATCH_ID, SETTLE_TIMEOUT, LoadRunSettings, run_batch
+from loadtest.report import (
+    BASELINE,
+    cpu_table,
+    round_figures,
+    rounds_summary,
+    stranded,
+    table,
+)
+from loadtest.runs import (
+    BATCH_ID,
+    MAX_ROUNDS,
+    SETTLE_TIMEOUT,
+    Batch,
+    LoadRunSettings,
+    run_batch,
+    run_rounds,
+)
 
 
 class LiveProgress:
@@ -130,6 +146,15 @@ class Command(BaseCommand):
         )
 
         parser.add_argument(
+            "--rounds",
+            type=int,
+            default=1,
+            help="run the baseline and every strategy this many times over, on the same "
+            "server, each round a batch of its own; print every round, then each "
+            "strategy's median and the ratios of the medians beside every round's "
+            f"(default 1, at most {MAX_ROUNDS})",
+        )
+        parser.add_argument(
             "--no-sandbox",
             action="store_true",
             help="sell in the configured database itself, not in the load-run database beside "
@@ -164,6 +189,11 @@ class Command(BaseCommand):
         batch_id = options["batch"]
         if batch_id is not None and not BATCH_ID.fullmatch(batch_id):
             raise CommandError(f"--batch: not a batch id: {batch_id[:40]!r}")
+        rounds = options["rounds"]
+        if not 1 <= rounds <= MAX_ROUNDS:
+            raise CommandError(f"--rounds: from 1 to {MAX_ROUNDS}")
+        if rounds > 1 and batch_id is not None:
+            raise CommandError("--rounds: each round is a batch of its own; give no --batch")
         if not sandbox.active():
             # The runs are recorded in this database: it must have every table they need.
             executor = MigrationExecutor(connections[DEFAULT_DB_ALIAS])
@@ -185,18 +215,29 @@ class Command(BaseCommand):
 
         progress = LiveProgress(self.stderr)
 
-        batch = run_batch(config, progress=progress, batch=batch_id)
-        self.stdout.write("")
-        self.stdout.write(table(batch.runs))
-        self.stdout.write("")
-        if cpu := cpu_table(batch.runs):
-            self.stdout.write(cpu)
+        if rounds == 1:
+            batches = [run_batch(config, progress=progress, batch=batch_id)]
+        else:
+            try:
+                batches = run_rounds(config, rounds, progress=progress)
+            except InvalidRequest as error:
+                raise CommandError(error.detail) from None
+        for number, batch in enumerate(batches, start=1):
             self.stdout.write("")
-        for kind, path in batch.files.items():
-            self.stdout.write(f"{kind.upper():<5} {path}")
+            if rounds > 1:
+                self.stdout.write(f"round {number} of {rounds}, batch {batch.batch}:")
+            self._write_batch(batch)
+        if rounds > 1:
+            figures = round_figures([batch.runs for batch in batches])
+            summary = batches[0].out.parent / "rounds.json"
+            summary.write_text(json.dumps(figures, indent=2))
+            self.stdout.write("")
+            self.stdout.write("\n".join(rounds_summary(figures)))
+            self.stdout.write(f"JSON  {summary}")
+        runs = [run for batch in batches for run in batch.runs]
         broken = [
             run.strategy
-            for run in batch.runs
+            for run in runs
             if run.status != run.Status.DONE
             or (
                 run.strategy != BASELINE
@@ -206,6 +247,17 @@ class Command(BaseCommand):
         ]
         if broken:
             self.stderr.write(
-                f"FAILED: {', '.join(broken)} (oversold, stock stranded, or the run broke)"
+                f"FAILED: {', '.join(dict.fromkeys(broken))} "
+                "(oversold, stock stranded, or the run broke)"
             )
             sys.exit(1)
+
+    def _write_batch(self, batch: Batch) -> None:
+        """A batch's comparison, where its CPU went, and its report files."""
+        self.stdout.write(table(batch.runs))
+        self.stdout.write("")
+        if cpu := cpu_table(batch.runs):
+            self.stdout.write(cpu)
+            self.stdout.write("")
+        for kind, path in batch.files.items():
+            self.stdout.write(f"{kind.upper():<5} {path}")
