@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from .contenders import (
@@ -50,14 +51,23 @@ def ratios(
             "measure": measure,
         }
         ratio = _ratio(row, versus_row, measure)
-        if ratio is not None and rounds and len(rounds.get(name, ())) > 1:
+        by_round = rounds if rounds is not None and len(rounds.get(name, ())) > 1 else None
+        if ratio is not None and by_round is not None:
             check["round_ratios"] = [
                 _ratio(mine, theirs, measure)
-                for mine, theirs in zip(rounds[name], rounds.get(versus, []), strict=False)
+                for mine, theirs in zip(by_round[name], by_round.get(versus, []), strict=False)
             ]
         if measure == "p99":
             if ratio is not None and row is not None and versus_row and versus_row.p99_ms:
                 limit = target or 0.0
+                versus_p99 = versus_row.p99_ms
+                if by_round is not None:
+                    # A median row is the round of the median rate; a p99's median is the
+                    # median of the rounds' p99s, whichever rounds they came from.
+                    mine, theirs = median_p99(by_round[name]), median_p99(by_round.get(versus, []))
+                    if mine is not None and theirs:
+                        ratio, versus_p99 = mine / theirs, theirs
+                        check["p99_medians"] = {name: mine, versus: theirs}
                 check["ratio"] = ratio
                 check["met"] = ratio <= limit
                 check["tail"] = {
@@ -65,7 +75,7 @@ def ratios(
                     versus: (versus_row.p999_ms, versus_row.longest_ms),
                 }
                 check["even_share"] = even_share(
-                    row, versus_row, versus_row.p99_ms * limit, rows.get(HOT_ROW)
+                    row, versus_row, versus_p99 * limit, rows.get(HOT_ROW)
                 )
         elif ratio is not None:
             check["ratio"] = ratio
@@ -73,6 +83,12 @@ def ratios(
                 check["met"] = ratio >= target
         checks.append(check)
     return checks
+
+
+def median_p99(results: list[Result]) -> float | None:
+    """The median of the rounds' p99 times per sale (None if no round measured one)."""
+    p99s = [result.p99_ms for result in results if result.p99_ms is not None]
+    return statistics.median(p99s) if p99s else None
 
 
 def _ratio(row: Result | None, versus_row: Result | None, measure: str) -> float | None:
@@ -211,6 +227,12 @@ def print_ratios(checks: list[dict[str, Any]]) -> None:
                 for ratio in check["round_ratios"]
             )
         print(line)
+        if "p99_medians" in check:
+            print(
+                "    the medians of the rounds' p99s, ms: "
+                + ", ".join(f"{name} {p99:.1f}" for name, p99 in check["p99_medians"].items())
+                + " (the table's p99 is that of the round of the median rate)"
+            )
         if "tail" in check:
             print(
                 "    its tail, ms: "

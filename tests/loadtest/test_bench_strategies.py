@@ -279,3 +279,31 @@ def test_each_target_gives_its_ratio_round_by_round_beside_the_medians(capsys):
     assert all("round_ratios" not in c for c in checks if c is not check)
     single = {name: results[:1] for name, results in rounds.items()}
     assert all("round_ratios" not in c for c in ratios(medians, 0, single))
+
+
+def test_a_p99_target_over_rounds_holds_the_median_p99s_against_each_other(capsys):
+    # Given three rounds in which the peer's round of median rate kept its sleepers out of its
+    # p99 (4.1 ms), and its other two did not
+    lock = [_result("lock", rate, p99, i) for i, (rate, p99) in enumerate(
+        [(700, 16.0), (750, 19.8), (580, 25.0)])]  # fmt: skip
+    peer = [_result(REDIS_PY_DEFAULT, rate, p99, i) for i, (rate, p99) in enumerate(
+        [(1445, 4.1), (1478, 104.0), (1114, 78.0)])]  # fmt: skip
+    rounds = {"lock": lock, REDIS_PY_DEFAULT: peer, HOT_ROW: [_result(HOT_ROW, 2200, 15.0)] * 3}
+    medians = {name: median_row(results) for name, results in rounds.items()}
+    assert medians[REDIS_PY_DEFAULT].p99_ms == 4.1  # the round of the median rate
+
+    # When the p99 target is checked
+    checks = ratios(medians, 0, rounds)
+    print_ratios(checks)
+
+    # Then it holds the median of lock's p99s (19.8) against the median of the peer's (78.0),
+    # beside every round's own ratio
+    (check,) = [c for c in checks if c["measure"] == "p99"]
+    assert check["ratio"] == pytest.approx(19.8 / 78.0)
+    assert check["met"] is False
+    assert check["p99_medians"] == {"lock": 19.8, REDIS_PY_DEFAULT: 78.0}
+    assert check["round_ratios"] == pytest.approx([16.0 / 4.1, 19.8 / 104.0, 25.0 / 78.0])
+    assert check["even_share"]["p99_ms"] == pytest.approx(78.0 * 0.2)
+    out = capsys.readouterr().out
+    assert "0.25x  (target <= 0.20x): MISSED; rounds: 3.90x, 0.19x, 0.32x" in out
+    assert f"the medians of the rounds' p99s, ms: lock 19.8, {REDIS_PY_DEFAULT} 78.0" in out
