@@ -257,7 +257,10 @@ def run_batch(
     out.mkdir(parents=True, exist_ok=True)
     with _target(config, batch, out, progress) as (host, parts):
         progress(f"batch {batch}: {host}, reports in {out}")
-        return _run_batch(config, batch, host, parts, out, progress)
+        runs = _run_batch(config, batch, host, parts, out, progress)
+    # Written once the processes started for the batch have stopped: a report on disk says
+    # the batch is over.
+    return Batch(batch=batch, out=out, runs=runs, files=write_report(runs, out))
 
 
 #: The most rounds one load run makes.
@@ -277,14 +280,19 @@ def run_rounds(
     first = new_batch_id()
     out = Path(config.out or settings.FLASHSALE_REPORTS_DIR / first)
     out.mkdir(parents=True, exist_ok=True)
-    batches = []
+    measured: list[tuple[str, Path, list[SaleRun]]] = []
     with _target(config, first, out, progress) as (host, parts):
         for number in range(1, rounds + 1):
             batch = first if number == 1 else new_batch_id()
             folder = out / f"round-{number}"
             progress(f"round {number} of {rounds}, batch {batch}: {host}, reports in {folder}")
-            batches.append(_run_batch(config, batch, host, parts, folder, progress))
-    return batches
+            runs = _run_batch(config, batch, host, parts, folder, progress)
+            measured.append((batch, folder, runs))
+    # Written once the processes started for the rounds have stopped, as run_batch does.
+    return [
+        Batch(batch=batch, out=folder, runs=runs, files=write_report(runs, folder))
+        for batch, folder, runs in measured
+    ]
 
 
 def _run_batch(
@@ -294,8 +302,9 @@ def _run_batch(
     parts: dict[int, str],
     out: Path,
     progress: Progress,
-) -> Batch:
-    """The baseline, then every strategy, against the server at host; the batch's report."""
+) -> list[SaleRun]:
+    """The baseline, then every strategy, against the server at host (their Locust files in
+    out)."""
     out.mkdir(parents=True, exist_ok=True)
     if config.cap_seconds < config.ramp_seconds + config.window:
         progress(
@@ -310,8 +319,7 @@ def _run_batch(
         run.baseline_requests_per_second = baseline.requests_per_second
         run.save(update_fields=["baseline_requests_per_second"])
         runs.append(run)
-    files = write_report(runs, out)
-    return Batch(batch=batch, out=out, runs=runs, files=files)
+    return runs
 
 
 @contextmanager
