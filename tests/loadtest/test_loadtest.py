@@ -27,20 +27,33 @@ from tests.conftest import TEST_API_TOKEN, server_env, test_database_url
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
+#: A small sale, a small crowd and a short cap, on a server of two workers.
+SMALL = ("--stock", "20", "--users", "8", "--spawn-rate", "60", "--duration", "4",
+         "--server-workers", "2")  # fmt: skip
+
+
+def _load_run(out, *arguments: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`manage.py loadtest` with these arguments, its reports in out."""
+    return subprocess.run(
+        [sys.executable, "manage.py", "loadtest", *arguments, "--out", str(out)],
+        cwd=ROOT,
+        env=server_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 @pytest.mark.slow
 def test_a_short_load_run_records_audits_and_reports_every_strategy(tmp_path):
     # Given every strategy, a small stock and a crowd that outnumbers it
-    command = [
-        sys.executable, "manage.py", "loadtest",
+    # When the load run floods them one after another
+    result = _load_run(
+        tmp_path,
         "--strategies", "lock,segmented,lua,optimistic,unsafe",
         "--stock", "20", "--users", "12", "--spawn-rate", "60", "--duration", "6",
-        "--server-workers", "4", "--unsafe-delay-ms", "20", "--out", str(tmp_path),
-    ]  # fmt: skip
-
-    # When the load run floods them one after another
-    result = subprocess.run(
-        command, cwd=ROOT, env=server_env(), capture_output=True, text=True, timeout=300
-    )
+        "--server-workers", "4", "--unsafe-delay-ms", "20",
+    )  # fmt: skip
 
     # Then it succeeds and prints the comparison
     assert result.returncode == 0, result.stderr[-3000:]
@@ -126,15 +139,7 @@ def test_the_locust_audit_passes_a_safe_run(shop_server):
 
 @pytest.mark.slow
 def test_a_distributed_load_run_uses_several_locust_processes(tmp_path):
-    command = [
-        sys.executable, "manage.py", "loadtest", "--strategies", "lua",
-        "--stock", "20", "--users", "8", "--spawn-rate", "60", "--duration", "4",
-        "--server-workers", "2", "--workers", "2", "--out", str(tmp_path),
-    ]  # fmt: skip
-
-    result = subprocess.run(
-        command, cwd=ROOT, env=server_env(), capture_output=True, text=True, timeout=180
-    )
+    result = _load_run(tmp_path, "--strategies", "lua", *SMALL, "--workers", "2", timeout=180)
 
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 workers connected" in (tmp_path / "lua.log").read_text()
@@ -208,16 +213,8 @@ def test_bad_rounds_are_refused_and_nothing_runs(arguments, message):
 @pytest.mark.slow
 def test_rounds_run_every_strategy_again_each_round_and_sum_them_up_in_medians(tmp_path):
     # Given two strategies, a small stock and two rounds
-    command = [
-        sys.executable, "manage.py", "loadtest", "--strategies", "lock,lua",
-        "--stock", "20", "--users", "8", "--spawn-rate", "60", "--duration", "4",
-        "--server-workers", "2", "--rounds", "2", "--out", str(tmp_path),
-    ]  # fmt: skip
-
     # When the load run runs them
-    result = subprocess.run(
-        command, cwd=ROOT, env=server_env(), capture_output=True, text=True, timeout=300
-    )
+    result = _load_run(tmp_path, "--strategies", "lock,lua", *SMALL, "--rounds", "2")
 
     # Then each round is a batch of its own, with a baseline and both strategies, each sale
     # sold exactly, and its reports in a folder of its own
