@@ -54,6 +54,7 @@ from inventory.selectors import audit_sale
 from inventory.services import start_sale
 from inventory.strategies import oversells, strategy_names
 from shop import queues
+from shop.processes.devservices import die_with_parent
 from shop.processes.servers import PROJECT_DIR, CeleryWorker, SaleWriter, ShopServer
 
 from .bench.measure import percentile_ms
@@ -435,6 +436,15 @@ def _run_one(
         run.save()
         progress(f"  {strategy}: FAILED ({run.error})")
         return run
+    except (KeyboardInterrupt, SystemExit):
+        # Ctrl-C, or SIGTERM (`manage.py loadtest` turns it into SystemExit): the run is over,
+        # not running; the batch's processes are stopped on the way out.
+        run.status = SaleRun.Status.FAILED
+        run.error = "interrupted"
+        run.finished_at = timezone.now()
+        run.save()
+        progress(f"  {strategy}: interrupted")
+        raise
     run.status = SaleRun.Status.DONE
     run.finished_at = timezone.now()
     run.save()
@@ -596,7 +606,12 @@ def _locust(
     history = Path(f"{prefix}_stats_history.csv")
     with open(f"{prefix}.log", "wb") as log:
         process = subprocess.Popen(
-            command, cwd=PROJECT_DIR, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy()
+            command,
+            cwd=PROJECT_DIR,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=os.environ.copy(),
+            preexec_fn=die_with_parent,  # no crowd goes on flooding once the run is gone
         )
         if meter is not None:
             meter.track(process.pid, "locust")

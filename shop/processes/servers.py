@@ -1,5 +1,9 @@
 """Start and stop a real gunicorn serving the shop, its Celery worker and its sale writer, for
-floods, the demo and tests."""
+floods, the demo and tests.
+
+Each runs in a session of its own (a Ctrl-C typed at the terminal reaches the process that
+started it, which stops them in order), and is sent SIGTERM by the kernel if that process dies
+without stopping it (killed, or crashed): none outlives its starter."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from .devservices import die_with_parent
 from .ports import free_port
 
 PROJECT_DIR = Path(__file__).resolve().parents[2]
@@ -100,6 +105,7 @@ class ShopServer:
             stdout=log,
             stderr=subprocess.STDOUT if self.log_path else None,
             start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -159,6 +165,7 @@ class CeleryWorker:
             cwd=PROJECT_DIR,
             env=self.env,
             start_new_session=True,
+            preexec_fn=die_with_parent,
             stdout=log,
             stderr=subprocess.STDOUT if log else None,
         )
@@ -209,6 +216,7 @@ class SaleWriter:
             cwd=PROJECT_DIR,
             env=self.env_vars,
             start_new_session=True,
+            preexec_fn=die_with_parent,
             stdout=log,
             stderr=subprocess.STDOUT if log else None,
         )

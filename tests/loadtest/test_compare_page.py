@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 from django.contrib.auth.models import Permission, User
@@ -13,6 +12,7 @@ from django.test import Client
 from loadtest.models import SaleRun
 from shop.processes.servers import CeleryWorker
 from tests.conftest import server_env, wait_until
+from tests.support.processes import started_for_batch
 
 pytestmark = pytest.mark.django_db
 
@@ -189,7 +189,7 @@ def test_a_run_started_from_the_page_runs_on_a_worker_and_appears(staff_client, 
         assert wait_until(finished, timeout=120, interval=1)
         # and by then the processes started for the batch (its server, sale writer and order
         # worker) have stopped: nothing outlives the task that started them
-        assert _started_for(SaleRun.objects.first().batch) == []
+        assert started_for_batch(SaleRun.objects.first().batch) == []
     finally:
         worker.stop()
     done = staff_client.get(response["Location"]).content.decode()
@@ -203,20 +203,6 @@ def test_a_run_started_from_the_page_runs_on_a_worker_and_appears(staff_client, 
         "baseline",
         "lua",
     ]
-
-
-def _started_for(batch: str) -> list[int]:
-    """The processes of this machine started for a load-run batch: each has the batch's task
-    queue in its environment."""
-    marker = f"-loadtest-{batch}".encode()
-    found = []
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            if marker in environ.read_bytes():
-                found.append(int(environ.parent.name))
-        except OSError:
-            continue  # gone meanwhile, or not ours to read
-    return found
 
 
 def test_a_batch_delivered_again_is_not_run_again():

@@ -6,6 +6,7 @@ import csv
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import uuid
@@ -22,7 +23,8 @@ from loadtest.models import SaleRun
 from loadtest.runs import LOCUSTFILE
 from loadtest.sandbox import database_name
 from shop.processes.servers import PROJECT_DIR as ROOT
-from tests.conftest import TEST_API_TOKEN, server_env, test_database_url
+from tests.conftest import TEST_API_TOKEN, server_env, test_database_url, wait_until
+from tests.support.processes import processes_carrying, started_for_batch
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -248,3 +250,57 @@ def test_rounds_run_every_strategy_again_each_round_and_sum_them_up_in_medians(t
         result.stdout,
         re.MULTILINE,
     ), result.stdout
+
+
+def _flooding(out) -> subprocess.Popen:
+    """A load run of `lua` started in the background, once its crowd floods the baseline."""
+    process = subprocess.Popen(
+        [sys.executable, "manage.py", "loadtest", "--strategies", "lua", "--stock", "100000",
+         "--users", "8", "--spawn-rate", "60", "--server-workers", "2", "--out", str(out)],
+        cwd=ROOT, env=server_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    crowd = f"{out}/baseline"  # on its Locust's command line (--csv)
+    if not wait_until(lambda: processes_carrying(crowd), timeout=90, interval=0.2):
+        process.kill()
+        raise AssertionError(process.communicate(timeout=30)[1].decode()[-3000:])
+    return process
+
+
+def _batch_of(stderr: bytes) -> str:
+    return re.search(r"^batch (\S+):", stderr.decode(), re.MULTILINE).group(1)
+
+
+def test_a_load_run_sent_sigterm_stops_what_it_started_and_says_the_run_was_interrupted(
+    tmp_path,
+):
+    # Given a load run whose server, sale writer, order worker and crowd are all running
+    process = _flooding(tmp_path)
+
+    # When it is sent SIGTERM (a supervisor, a CI timeout)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+
+    # Then it exits as a process ended by SIGTERM does, having stopped everything it started
+    assert process.returncode == 128 + signal.SIGTERM, stderr.decode()[-3000:]
+    batch = _batch_of(stderr)
+    assert started_for_batch(batch) == []
+    assert processes_carrying(str(tmp_path)) == []
+    # and the run under way is recorded as interrupted, not left running
+    baseline = SaleRun.objects.get(batch=batch, strategy="baseline")
+    assert baseline.status == SaleRun.Status.FAILED and baseline.error == "interrupted"
+    assert "baseline: interrupted" in stderr.decode()
+
+
+def test_a_load_run_killed_outright_takes_what_it_started_with_it(tmp_path):
+    # Given a load run whose server, sale writer, order worker and crowd are all running
+    process = _flooding(tmp_path)
+
+    # When it is killed with no chance to stop them (SIGKILL, the OOM killer)
+    process.kill()
+    _, stderr = process.communicate(timeout=30)
+
+    # Then the kernel stops them all in turn: none outlives the run
+    assert process.returncode == -signal.SIGKILL
+    batch = _batch_of(stderr)
+    assert wait_until(lambda: not started_for_batch(batch), timeout=30), started_for_batch(batch)
+    assert wait_until(lambda: not processes_carrying(str(tmp_path)), timeout=30)

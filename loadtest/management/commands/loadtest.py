@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -214,6 +216,11 @@ class Command(BaseCommand):
                 raise CommandError(str(error)) from None
 
         progress = LiveProgress(self.stderr)
+        # SIGTERM (a supervisor, a CI timeout, `kill`) ends the batch as Ctrl-C does: the run
+        # under way is recorded as interrupted, and the server, sale writer, order worker and
+        # crowd started for it are stopped on the way out.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
         if rounds == 1:
             batches = [run_batch(config, progress=progress, batch=batch_id)]
@@ -261,3 +268,7 @@ class Command(BaseCommand):
             self.stdout.write("")
         for kind, path in batch.files.items():
             self.stdout.write(f"{kind.upper():<5} {path}")
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
