@@ -217,7 +217,7 @@ def round_figures(rounds: Sequence[Sequence[SaleRun]]) -> dict[str, Any]:
         return costs.get("all") if run.status == SaleRun.Status.DONE else None
 
     def median(values: list[float | None]) -> float | None:
-        present = [value for value in values if value]
+        present = [value for value in values if value is not None]
         return statistics.median(present) if present else None
 
     names = list(dict.fromkeys(run.strategy for runs in rounds for run in runs))

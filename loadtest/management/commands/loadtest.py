@@ -225,10 +225,7 @@ class Command(BaseCommand):
         if rounds == 1:
             batches = [run_batch(config, progress=progress, batch=batch_id)]
         else:
-            try:
-                batches = run_rounds(config, rounds, progress=progress)
-            except InvalidRequest as error:
-                raise CommandError(error.detail) from None
+            batches = run_rounds(config, rounds, progress=progress)  # both checked above
         for number, batch in enumerate(batches, start=1):
             self.stdout.write("")
             if rounds > 1:
