@@ -245,12 +245,9 @@ def item_detail(request: HttpRequest, sku: str) -> JsonResponse:
     if request.method != "GET":
         return method_not_allowed(request, "GET")
     try:
-        item = selectors.get_item(sku)
+        return JsonResponse(selectors.item_page(sku))
     except CheckoutError as error:
         return checkout_error_response(error)
-    payload = selectors.item_payload(item)
-    payload["redis_stock"] = selectors.redis_stock_of(item)
-    return JsonResponse(payload)
 
 
 def order_detail(request: HttpRequest, order_id: UUID) -> JsonResponse:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from datetime import datetime
 from typing import Any
 from uuid import UUID
 
+from django.conf import settings
 from django.db import connection
 from django.db.models import Count, QuerySet, Sum
 
@@ -90,6 +92,43 @@ def redis_stock_of(item: Item) -> int | None:
         return get_strategy(item.strategy).redis_stock(item=item)
     except REDIS_DOWN_ERRORS:
         return None
+
+
+#: sku -> (monotonic expiry, its answer): the answers `item_page` gave a moment ago.
+_item_pages: dict[str, tuple[float, dict[str, Any]]] = {}
+#: The most items whose answers one process keeps (past it, it starts afresh).
+MAX_ITEM_PAGES = 1000
+
+
+def item_page(sku: str) -> dict[str, Any]:
+    """GET /api/items/<sku>'s answer: the item as `item_payload` has it, and Redis's figure
+    (`redis_stock`), as this process read them at most FLASHSALE_ITEM_PAGE_MS ago.
+
+    The item page polls it every second, and a flash crowd looks at the item between its
+    checkouts: each look that reads costs a database query and a Redis call, on the host that
+    sells. Its stock is at most that long behind the sales; a sale (re)started or restocked by
+    this process is read afresh at once, by the others within that time. An unknown sku
+    (UnknownSku) is not remembered.
+    """
+    memory = settings.FLASHSALE_ITEM_PAGE_MS
+    now = time.monotonic()
+    if memory:
+        remembered = _item_pages.get(sku)
+        if remembered is not None and remembered[0] > now:
+            return remembered[1]
+    item = get_item(sku)
+    payload = item_payload(item)
+    payload["redis_stock"] = redis_stock_of(item)
+    if memory:
+        if len(_item_pages) >= MAX_ITEM_PAGES:
+            _item_pages.clear()
+        _item_pages[sku] = (now + memory / 1000, payload)
+    return payload
+
+
+def forget_item_page(sku: str) -> None:
+    """Drop this process's remembered answer for sku (its sale was restarted or restocked)."""
+    _item_pages.pop(sku, None)
 
 
 def item_payload(item: Item) -> dict[str, Any]:

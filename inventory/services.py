@@ -27,7 +27,7 @@ from .exceptions import (
 from .models import Item, Order, Sale, StockShard
 from .orders import order_placed
 from .redis_client import REDIS_DOWN_ERRORS, get_redis_client
-from .selectors import database_now
+from .selectors import database_now, forget_item_page
 from .stock import split_stock
 from .strategies import get_strategy, strategy_names
 
@@ -173,8 +173,10 @@ def _may_remember(item: Item) -> bool:
 
 
 def forget_item(sku: str) -> None:
-    """Drop this process's remembered read of sku (its sale was restarted)."""
+    """Drop this process's remembered reads of sku (its sale was restarted or restocked): the
+    checkouts' and the item page's (`selectors.item_page`)."""
     _remembered.pop(sku, None)
+    forget_item_page(sku)
 
 
 def _replay(key: str | None, *, sku: str, qty: int, buyer: str) -> Order | None:
@@ -355,6 +357,7 @@ def restock(*, sku: str, units: int) -> Sale:
         Sale.objects.filter(pk=sale_id).update(added_stock=F("added_stock") + units)
         strategy = get_strategy(item.strategy)
         transaction.on_commit(lambda: _tell_redis(strategy, item, units, added_rows))
+        transaction.on_commit(lambda: forget_item_page(sku))
     return Sale.objects.select_related("item").get(pk=sale_id)
 
 

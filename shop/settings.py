@@ -257,6 +257,13 @@ if not -20 <= FLASHSALE_SALE_WRITER_NICE <= 19:
     )
 # How long a checkout may use an item read by an earlier one (strategies that allow it).
 FLASHSALE_ITEM_MEMORY_MS = env.int("FLASHSALE_ITEM_MEMORY_MS", default=1000)
+# How long GET /api/items/<sku> may answer with what this process read for it a moment ago
+# (the item page's poll and a crowd's look at the item; 0: read it every time).
+FLASHSALE_ITEM_PAGE_MS = env.int("FLASHSALE_ITEM_PAGE_MS", default=500)
+if not 0 <= FLASHSALE_ITEM_PAGE_MS <= 60_000:
+    raise ImproperlyConfigured(
+        f"FLASHSALE_ITEM_PAGE_MS must be from 0 to 60000 (a minute), not {FLASHSALE_ITEM_PAGE_MS}"
+    )
 # How long a buyer waits for its batch's answer before it is told `busy`.
 FLASHSALE_GROUP_COMMIT_WAIT_MS = env.int("FLASHSALE_GROUP_COMMIT_WAIT_MS", default=3000)
 FLASHSALE_MAX_QTY = env.int("FLASHSALE_MAX_QTY", default=100)

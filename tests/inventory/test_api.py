@@ -25,7 +25,8 @@ def _checkout(client, **body):
 
 
 @pytest.mark.parametrize("strategy", ["lock", "segmented", "lua", "optimistic", "unsafe"])
-def test_item_checkout_and_order_round_trip(client, strategy):
+def test_item_checkout_and_order_round_trip(client, settings, strategy):
+    settings.FLASHSALE_ITEM_PAGE_MS = 0  # every look reads (test_item_page.py: the memory)
     start_sale(sku="widget", stock=5, strategy=strategy, price=12)
 
     item = client.get("/api/items/widget").json()
