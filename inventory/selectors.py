@@ -131,6 +131,11 @@ def forget_item_page(sku: str) -> None:
     _item_pages.pop(sku, None)
 
 
+def forget_item_pages() -> None:
+    """Drop every answer this process remembers (`item_page`)."""
+    _item_pages.clear()
+
+
 def item_payload(item: Item) -> dict[str, Any]:
     sale = item.current_sale
     return {

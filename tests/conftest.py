@@ -54,6 +54,15 @@ def _isolated_redis_and_queue() -> Iterator[None]:
         client.delete(*keys)
 
 
+@pytest.fixture(autouse=True)
+def _no_remembered_item_pages() -> None:
+    """Each test starts with no remembered `GET /api/items/<sku>` answers: those of an earlier
+    test's items would outlive its rows by FLASHSALE_ITEM_PAGE_MS."""
+    from inventory.selectors import forget_item_pages
+
+    forget_item_pages()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _drop_load_run_database(django_db_setup, django_db_blocker) -> Iterator[None]:
     """Load runs started by the tests sell in `<test database>_loadrun`: gone afterwards."""
