@@ -49,6 +49,12 @@ class SaleRun(models.Model):
         default=list, blank=True, help_text="Per-second samples: requests/s, p95, units sold."
     )
     report_dir = models.CharField(max_length=500, blank=True)
+    runner = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text="The load run process recording it (host, pid, its start time) and its "
+        "worker's task queue: a run it left running once it is gone is ended as interrupted.",
+    )
     error = models.TextField(blank=True)
 
     class Meta:

@@ -28,10 +28,12 @@ and, when it was sized, the `probe` that sized it.
 from __future__ import annotations
 
 import csv
+import logging
 import math
 import os
 import re
 import secrets
+import socket
 import subprocess
 import sys
 import time
@@ -61,6 +63,8 @@ from .bench.measure import percentile_ms
 from .cpu import CpuMeter, per_unit
 from .models import SaleRun
 from .report import BASELINE, summary_line, write_report
+
+logger = logging.getLogger(__name__)
 
 #: Seconds a sale's orders may take to settle after it sold out before the batch goes on.
 SETTLE_TIMEOUT = 30.0
@@ -256,9 +260,10 @@ def run_batch(
     batch = batch or new_batch_id()
     out = Path(config.out or settings.FLASHSALE_REPORTS_DIR / batch)
     out.mkdir(parents=True, exist_ok=True)
-    with _target(config, batch, out, progress) as (host, parts):
+    end_orphaned_runs(progress)
+    with _target(config, batch, out, progress) as (host, parts, queue):
         progress(f"batch {batch}: {host}, reports in {out}")
-        runs = _run_batch(config, batch, host, parts, out, progress)
+        runs = _run_batch(config, batch, host, parts, queue, out, progress)
     # Written once the processes started for the batch have stopped: a report on disk says
     # the batch is over.
     return Batch(batch=batch, out=out, runs=runs, files=write_report(runs, out))
@@ -282,12 +287,13 @@ def run_rounds(
     out = Path(config.out or settings.FLASHSALE_REPORTS_DIR / first)
     out.mkdir(parents=True, exist_ok=True)
     measured: list[tuple[str, Path, list[SaleRun]]] = []
-    with _target(config, first, out, progress) as (host, parts):
+    end_orphaned_runs(progress)
+    with _target(config, first, out, progress) as (host, parts, queue):
         for number in range(1, rounds + 1):
             batch = first if number == 1 else new_batch_id()
             folder = out / f"round-{number}"
             progress(f"round {number} of {rounds}, batch {batch}: {host}, reports in {folder}")
-            runs = _run_batch(config, batch, host, parts, folder, progress)
+            runs = _run_batch(config, batch, host, parts, queue, folder, progress)
             measured.append((batch, folder, runs))
     # Written once the processes started for the rounds have stopped, as run_batch does.
     return [
@@ -301,11 +307,12 @@ def _run_batch(
     batch: str,
     host: str,
     parts: dict[int, str],
+    queue: str | None,
     out: Path,
     progress: Progress,
 ) -> list[SaleRun]:
     """The baseline, then every strategy, against the server at host (their Locust files in
-    out)."""
+    out; `queue`: the task queue of the worker started for them, if one was)."""
     out.mkdir(parents=True, exist_ok=True)
     if config.cap_seconds < config.ramp_seconds + config.window:
         progress(
@@ -313,10 +320,10 @@ def _run_batch(
             f"crowd's ramp and a {config.window:g} s window: every window will be short"
         )
     runs: list[SaleRun] = []
-    baseline = _run_one(config, batch, BASELINE, host, parts, out, progress)
+    baseline = _run_one(config, batch, BASELINE, host, parts, queue, out, progress)
     runs.append(baseline)
     for strategy in config.strategies:
-        run = _run_one(config, batch, strategy, host, parts, out, progress)
+        run = _run_one(config, batch, strategy, host, parts, queue, out, progress)
         run.baseline_requests_per_second = baseline.requests_per_second
         run.save(update_fields=["baseline_requests_per_second"])
         runs.append(run)
@@ -326,8 +333,9 @@ def _run_batch(
 @contextmanager
 def _target(
     config: LoadRunSettings, batch: str, out: Path, progress: Progress
-) -> Iterator[tuple[str, dict[int, str]]]:
-    """The server to flood, and the processes started for it by part (`loadtest.cpu`):
+) -> Iterator[tuple[str, dict[int, str], str | None]]:
+    """The server to flood, the processes started for it by part (`loadtest.cpu`) and the task
+    queue of the worker started for it:
     `--host` (none), or a gunicorn and a Celery worker (and a sale writer) started for the
     batch.
 
@@ -336,7 +344,7 @@ def _target(
     publishes again), and no later worker inherits thousands of stale tasks.
     """
     if config.host:
-        yield config.host.rstrip("/"), {}
+        yield config.host.rstrip("/"), {}, None
         return
     queue = f"{settings.CELERY_TASK_DEFAULT_QUEUE}-loadtest-{batch}"
     env = {
@@ -375,7 +383,7 @@ def _target(
         parts = {_pid(server): "server", _pid(worker): "worker"}
         if writer is not None:
             parts[_pid(writer)] = "writer"
-        yield server.url, parts
+        yield server.url, parts, queue
 
 
 def _pid(process: ShopServer | CeleryWorker | SaleWriter) -> int:
@@ -384,14 +392,18 @@ def _pid(process: ShopServer | CeleryWorker | SaleWriter) -> int:
 
 
 def _delete_queue(queue: str, strategies: list[str], since: datetime, progress: Progress) -> None:
-    from kombu import Connection
-
     skus = [sale_sku(strategy) for strategy in strategies]
     pending = Order.objects.filter(
         item__sku__in=skus, status__in=OPEN_STATUSES, created_at__gte=since
     ).count()
     if pending:
         progress(f"{pending} orders of this batch left pending, for a sweeper to publish again")
+    _drop_queue(queue)
+
+
+def _drop_queue(queue: str) -> None:
+    from kombu import Connection
+
     # Bound as Celery binds them (each to a direct exchange of its name), so that deleting
     # one removes its binding as well as its messages.
     with Connection(settings.CELERY_BROKER_URL) as connection:
@@ -401,18 +413,76 @@ def _delete_queue(queue: str, strategies: list[str], since: datetime, progress: 
             bound.delete()
 
 
+def _this_runner(queue: str | None) -> dict[str, Any]:
+    """Who records a run (`SaleRun.runner`): this host, this process and when it started (a
+    pid alone may be a later process's), and the task queue of the batch's worker."""
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid, "since": _started(pid), "queue": queue}
+
+
+def _started(pid: int) -> int | None:
+    """When the process started, in clock ticks since boot (/proc/<pid>/stat); None when there
+    is no such process (or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _runner_gone(runner: dict[str, Any]) -> bool:
+    """Whether the process that recorded a run is known to be gone (on a host without /proc,
+    or for a run recorded without one, it is never known)."""
+    if runner.get("host") != socket.gethostname() or not isinstance(runner.get("since"), int):
+        return False
+    pid = runner.get("pid")
+    return not isinstance(pid, int) or _started(pid) != runner["since"]
+
+
+def end_orphaned_runs(progress: Progress | None = None) -> list[SaleRun]:
+    """End the runs left `running` by a load run process of this host that is gone (killed
+    outright, SIGKILL or the OOM killer, with no chance to record it): each is marked failed,
+    `interrupted`, and its batch's task queue deleted, as the process would have done. Runs
+    recorded on another host are left alone (their process cannot be seen from here); the
+    compare page lets a new batch start past them after an hour all the same."""
+    ended = []
+    for run in SaleRun.objects.filter(status=SaleRun.Status.RUNNING).order_by("pk"):
+        runner = run.runner or {}
+        if not _runner_gone(runner):
+            continue
+        run.status = SaleRun.Status.FAILED
+        run.error = f"interrupted: its load run process ({runner.get('pid')}) is gone"
+        run.finished_at = timezone.now()
+        run.save(update_fields=["status", "error", "finished_at"])
+        ended.append(run)
+    for queue in sorted({run.runner.get("queue") for run in ended} - {None}):
+        try:
+            _drop_queue(queue)
+        except Exception as exc:  # the broker away: the runs are ended all the same
+            logger.warning("could not delete the task queue %s of an ended run: %s", queue, exc)
+    if ended and progress is not None:
+        batches = ", ".join(sorted({run.batch for run in ended}))
+        progress(f"ended {len(ended)} run(s) left running by a load run that is gone: {batches}")
+    return ended
+
+
 def _run_one(
     config: LoadRunSettings,
     batch: str,
     strategy: str,
     host: str,
     parts: dict[int, str],
+    queue: str | None,
     out: Path,
     progress: Progress,
 ) -> SaleRun:
     sku = "" if strategy == BASELINE else sale_sku(strategy)
     run = SaleRun.objects.create(
-        batch=batch, strategy=strategy, sku=sku, parameters=config.parameters()
+        batch=batch,
+        strategy=strategy,
+        sku=sku,
+        parameters=config.parameters(),
+        runner=_this_runner(queue),
     )
     prefix = out / strategy
     meter = CpuMeter(roots=dict(parts))

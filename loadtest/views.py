@@ -30,7 +30,7 @@ from .report import (
     cpu_rows,
     notes,
 )
-from .runs import BASELINE, LoadRunSettings, new_batch_id
+from .runs import BASELINE, LoadRunSettings, end_orphaned_runs, new_batch_id
 
 RECENT_RUNS = 60
 #: The largest crowd the page starts (the command takes up to 10,000).
@@ -137,7 +137,11 @@ def _live(run: SaleRun) -> dict:
 
 
 def compare(request: HttpRequest) -> HttpResponse:
-    """GET: compare runs (the latest batch, or the `run` ids chosen). POST: start a batch."""
+    """GET: compare runs (the latest batch, or the `run` ids chosen). POST: start a batch.
+
+    Runs left running by a load run process of this host that was killed are ended first
+    (`end_orphaned_runs`): they show as interrupted, and hold up no new batch."""
+    end_orphaned_runs()
     if request.method == "POST":
         return _start(request)
     filters = FilterForm(request.GET or None)

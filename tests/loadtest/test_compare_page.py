@@ -12,7 +12,7 @@ from django.test import Client
 from loadtest.models import SaleRun
 from shop.processes.servers import CeleryWorker
 from tests.conftest import server_env, wait_until
-from tests.support.processes import started_for_batch
+from tests.support.processes import gone_runner, started_for_batch
 
 pytestmark = pytest.mark.django_db
 
@@ -220,3 +220,20 @@ def test_a_run_id_that_is_not_one_is_a_clear_400(staff_client, run):
     response = staff_client.get("/admin/compare/", {"run": [runs[0].pk, run]})
     assert response.status_code == 400
     assert "run must be a load run's id" in response.content.decode()
+
+
+def test_a_run_left_running_by_a_load_run_that_is_gone_shows_as_interrupted(staff_client):
+    # Given a batch whose load run was killed outright mid-run
+    left = SaleRun.objects.create(
+        batch="killed", strategy="baseline", parameters={"strategies": []}, runner=gone_runner()
+    )
+
+    # When the page is looked at
+    page = staff_client.get("/admin/compare/?batch=killed")
+
+    # Then the run is over, as interrupted, and a new batch may start
+    assert page.status_code == 200
+    left.refresh_from_db()
+    assert left.status == SaleRun.Status.FAILED
+    assert left.error.startswith("interrupted: its load run process")
+    assert not SaleRun.objects.filter(status=SaleRun.Status.RUNNING).exists()

@@ -14,17 +14,23 @@ from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
+from django.conf import settings
 from django.core.management import CommandError, call_command
 from django.db import connection
 
 from inventory.models import Item, Order
 from inventory.services import start_sale
 from loadtest.models import SaleRun
-from loadtest.runs import LOCUSTFILE
+from loadtest.runs import LOCUSTFILE, end_orphaned_runs
 from loadtest.sandbox import database_name
 from shop.processes.servers import PROJECT_DIR as ROOT
 from tests.conftest import TEST_API_TOKEN, server_env, test_database_url, wait_until
-from tests.support.processes import processes_carrying, started_for_batch
+from tests.support.processes import (
+    gone_runner,
+    processes_carrying,
+    started_for_batch,
+    this_runner,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -304,3 +310,60 @@ def test_a_load_run_killed_outright_takes_what_it_started_with_it(tmp_path):
     batch = _batch_of(stderr)
     assert wait_until(lambda: not started_for_batch(batch), timeout=30), started_for_batch(batch)
     assert wait_until(lambda: not processes_carrying(str(tmp_path)), timeout=30)
+    # and the run it left running is ended as interrupted once anyone looks (the next load
+    # run, the compare page), its worker's task queue deleted
+    left = SaleRun.objects.get(batch=batch, strategy="baseline")
+    assert left.status == SaleRun.Status.RUNNING and _queue_exists(left.runner["queue"])
+    (ended,) = end_orphaned_runs()
+    assert ended.batch == batch and ended.strategy == "baseline"
+    ended.refresh_from_db()
+    assert ended.status == SaleRun.Status.FAILED and ended.finished_at is not None
+    assert ended.error.startswith("interrupted: its load run process")
+    assert not _queue_exists(ended.runner["queue"])
+
+
+def _queue_exists(queue: str) -> bool:
+    """Whether the broker (Redis, in the tests) still holds the queue: its messages or its
+    binding to the exchange of its name."""
+    import redis
+
+    broker = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+    return bool(broker.exists(queue) or broker.exists(f"_kombu.binding.{queue}"))
+
+
+def test_only_runs_whose_load_run_process_is_gone_are_ended():
+    from kombu import Connection
+
+    from shop import queues
+
+    # Given a run recorded by a process that has since died (its worker's queue still there),
+    # one by this live process, one by a process on another host, and one recorded with no
+    # runner (before runners were recorded)
+    queue = f"flashsale-test-orphan-{uuid.uuid4().hex[:8]}"
+    with Connection(settings.CELERY_BROKER_URL) as broker:
+        for declaration in queues.declarations(queue):
+            declaration(broker.default_channel).declare()
+        broker.SimpleQueue(queue).put({"task": "a stale one"})
+    orphan = SaleRun.objects.create(batch="orphan", strategy="lua", runner=gone_runner(queue=queue))
+    assert _queue_exists(queue)
+    alive = SaleRun.objects.create(batch="alive", strategy="lua", runner=this_runner())
+    elsewhere = SaleRun.objects.create(
+        batch="elsewhere", strategy="lua", runner=gone_runner(host="another-host")
+    )
+    unknown = SaleRun.objects.create(batch="unknown", strategy="lua")
+
+    # When the orphans are looked for
+    ended = end_orphaned_runs()
+
+    # Then only the dead process's run is ended, as interrupted, and its queue deleted
+    assert [run.pk for run in ended] == [orphan.pk]
+    statuses = dict(SaleRun.objects.values_list("batch", "status"))
+    assert statuses == {
+        "orphan": SaleRun.Status.FAILED,
+        "alive": SaleRun.Status.RUNNING,
+        "elsewhere": SaleRun.Status.RUNNING,
+        "unknown": SaleRun.Status.RUNNING,
+    }
+    assert not _queue_exists(queue)
+    assert end_orphaned_runs() == []
+    assert {alive.pk, elsewhere.pk, unknown.pk} <= set(SaleRun.objects.values_list("pk", flat=True))

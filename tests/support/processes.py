@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 
 def processes_carrying(marker: str) -> list[int]:
@@ -28,3 +33,26 @@ def processes_carrying(marker: str) -> list[int]:
 def started_for_batch(batch: str) -> list[int]:
     """The processes started for a load-run batch: its server, sale writer and order worker."""
     return processes_carrying(f"-loadtest-{batch}")
+
+
+def runner_of(pid: int, **changes: Any) -> dict[str, Any]:
+    """A load run's `SaleRun.runner` as process `pid` of this host records it."""
+    from loadtest.runs import _started
+
+    runner = {"host": socket.gethostname(), "pid": pid, "since": _started(pid), "queue": None}
+    return {**runner, **changes}
+
+
+def gone_runner(**changes: Any) -> dict[str, Any]:
+    """The runner of a process of this host that has since died (killed outright)."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        return runner_of(process.pid, **changes)
+    finally:
+        process.kill()
+        process.wait()
+
+
+def this_runner(**changes: Any) -> dict[str, Any]:
+    """The runner of this (live) process."""
+    return runner_of(os.getpid(), **changes)
