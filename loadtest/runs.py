@@ -59,7 +59,7 @@ from shop import queues
 from shop.processes.devservices import die_with_parent
 from shop.processes.servers import PROJECT_DIR, CeleryWorker, SaleWriter, ShopServer
 
-from .bench.measure import percentile_ms
+from .bench.measure import percentile_ms, stat_fields
 from .cpu import CpuMeter, per_unit
 from .models import SaleRun
 from .report import BASELINE, summary_line, write_report
@@ -413,20 +413,19 @@ def _drop_queue(queue: str) -> None:
             bound.delete()
 
 
-def _this_runner(queue: str | None) -> dict[str, Any]:
-    """Who records a run (`SaleRun.runner`): this host, this process and when it started (a
+def runner_record(pid: int, queue: str | None = None) -> dict[str, Any]:
+    """Who records a run (`SaleRun.runner`): this host, process `pid` and when it started (a
     pid alone may be a later process's), and the task queue of the batch's worker."""
-    pid = os.getpid()
     return {"host": socket.gethostname(), "pid": pid, "since": _started(pid), "queue": queue}
 
 
 def _started(pid: int) -> int | None:
-    """When the process started, in clock ticks since boot (/proc/<pid>/stat); None when there
-    is no such process (or no /proc)."""
+    """When the process started, in clock ticks since boot; None when there is no such
+    process (or no /proc)."""
+    fields = stat_fields(pid)
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return int(stat.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
+        return None if fields is None else int(fields[19])
+    except (IndexError, ValueError):
         return None
 
 
@@ -482,7 +481,7 @@ def _run_one(
         strategy=strategy,
         sku=sku,
         parameters=config.parameters(),
-        runner=_this_runner(queue),
+        runner=runner_record(os.getpid(), queue),
     )
     prefix = out / strategy
     meter = CpuMeter(roots=dict(parts))

@@ -23,12 +23,20 @@ def host_cpu_times() -> tuple[float, float] | None:
     return total - idle, total
 
 
-def process_cpu_seconds(pid: int) -> float | None:
-    """User + system CPU of another process on this host (a PostgreSQL backend), or None."""
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the process's name (the state first), or None when
+    there is no such process (or no /proc)."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
+            return stat.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
+        return None
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU of another process on this host (a PostgreSQL backend), or None."""
+    fields = stat_fields(pid)
+    if fields is None:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -37,10 +36,9 @@ def started_for_batch(batch: str) -> list[int]:
 
 def runner_of(pid: int, **changes: Any) -> dict[str, Any]:
     """A load run's `SaleRun.runner` as process `pid` of this host records it."""
-    from loadtest.runs import _started
+    from loadtest.runs import runner_record
 
-    runner = {"host": socket.gethostname(), "pid": pid, "since": _started(pid), "queue": None}
-    return {**runner, **changes}
+    return {**runner_record(pid), **changes}
 
 
 def gone_runner(**changes: Any) -> dict[str, Any]:
