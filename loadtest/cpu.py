@@ -14,8 +14,11 @@ off its samples:
 - `other`: the rest of the host's busy CPU (this process, the broker, the kernel's threads),
   read from /proc/stat, so that the parts add up to what the host's CPUs did.
 
-A process is counted from when the meter first sees it; one that comes and goes between two
-samples is counted in `other`. Linux only (/proc); elsewhere `CpuMeter.between` returns None.
+A process is counted from when the meter first sees it. What it spent after its last sample
+shows in its parent's CPU once its parent reaps it (the children's times of /proc, `cutime`
+and `cstime`), and is counted from there, in its own part; one that came and went between two
+samples, in its parent's part. Linux only (/proc);
+elsewhere `CpuMeter.between` returns None.
 """
 
 from __future__ import annotations
@@ -39,8 +42,12 @@ def _ticks() -> int:
     return os.sysconf("SC_CLK_TCK")
 
 
-def _processes() -> dict[int, tuple[str, int, int]]:
-    """pid: (name, parent pid, CPU jiffies) of every process on this host."""
+#: pid: (name, parent pid, its own CPU jiffies, those of the children it reaped).
+_Processes = dict[int, tuple[str, int, int, int]]
+
+
+def _processes() -> _Processes:
+    """Every process on this host."""
     found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -52,7 +59,8 @@ def _processes() -> dict[int, tuple[str, int, int]]:
             continue  # gone meanwhile
         name = line[line.index("(") + 1 : line.rindex(")")]
         rest = line[line.rindex(")") + 2 :].split()
-        found[int(entry)] = (name, int(rest[1]), int(rest[11]) + int(rest[12]))
+        own = int(rest[11]) + int(rest[12])
+        found[int(entry)] = (name, int(rest[1]), own, int(rest[13]) + int(rest[14]))
     return found
 
 
@@ -77,7 +85,11 @@ class CpuMeter:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
-        self._last: dict[int, int] = {}  # pid: jiffies at its last sample
+        # At each process's last sample: its jiffies (its own, its reaped children's), its
+        # parent and its part.
+        self._last: dict[int, tuple[int, int]] = {}
+        self._parents: dict[int, int] = {}
+        self._part: dict[int, str | None] = {}
         self._parts: dict[str, float] = dict.fromkeys(PARTS, 0.0)
         self._seen: set[str] = set()  # parts some process was found for
         self._host0: tuple[float, float] | None = None
@@ -94,7 +106,10 @@ class CpuMeter:
         if not self.available():
             return self
         self._host0 = host_cpu_times()
-        self._last = {pid: jiffies for pid, (_, _, jiffies) in _processes().items()}
+        processes = _processes()
+        with self._lock:
+            roots = dict(self.roots)
+        self._remember(processes, {pid: self._part_of(pid, processes, roots) for pid in processes})
         self._record()
         self._thread = threading.Thread(target=self._run, name="cpu-meter", daemon=True)
         self._thread.start()
@@ -116,22 +131,46 @@ class CpuMeter:
         processes = _processes()
         with self._lock:
             roots = dict(self.roots)
-        for pid, (_, _, jiffies) in processes.items():
-            spent = jiffies - self._last.get(pid, 0)
-            self._last[pid] = jiffies
-            if spent <= 0:
+        parts = {pid: self._part_of(pid, processes, roots) for pid in processes}
+        # A process gone since the last sample was reaped: what it spent after that sample
+        # shows in its reaper's children's jiffies (a reaper gone too hands it on to its own).
+        reaped: dict[int, list[int]] = {}
+        for pid in self._last:
+            if pid in processes:
                 continue
-            part = self._part_of(pid, processes, roots)
-            if part is not None:
-                self._parts[part] += spent / _ticks()
-                self._seen.add(part)
-        self._last = {pid: self._last[pid] for pid in processes}
+            reaper = self._parents.get(pid, 0)
+            hops = 0
+            while reaper not in processes and reaper in self._parents and hops < 64:
+                reaper = self._parents[reaper]
+                hops += 1
+            reaped.setdefault(reaper, []).append(pid)
+        for pid, (_, _, own, children) in processes.items():
+            last_own, last_children = self._last.get(pid, (0, 0))
+            self._add(parts[pid], own - last_own)
+            grown = children - last_children
+            gone = reaped.get(pid)
+            if not gone:
+                self._add(parts[pid], grown)  # children that came and went between samples
+                continue
+            # Counted in their own part, less what was counted of them already.
+            remainder = grown - sum(sum(self._last[child]) for child in gone)
+            gone_parts = {self._part.get(child) for child in gone}
+            self._add(gone_parts.pop() if len(gone_parts) == 1 else parts[pid], remainder)
+        self._remember(processes, parts)
         self._record()
 
+    def _add(self, part: str | None, jiffies: int) -> None:
+        if part is not None and jiffies > 0:
+            self._parts[part] += jiffies / _ticks()
+            self._seen.add(part)
+
+    def _remember(self, processes: _Processes, parts: dict[int, str | None]) -> None:
+        self._last = {pid: (own, children) for pid, (_, _, own, children) in processes.items()}
+        self._parents = {pid: parent for pid, (_, parent, _, _) in processes.items()}
+        self._part = parts
+
     @staticmethod
-    def _part_of(
-        pid: int, processes: dict[int, tuple[str, int, int]], roots: dict[int, str]
-    ) -> str | None:
+    def _part_of(pid: int, processes: _Processes, roots: dict[int, str]) -> str | None:
         name = processes[pid][0]
         if name in BY_NAME:
             return BY_NAME[name]

@@ -48,6 +48,42 @@ def test_a_process_and_its_children_are_counted_in_their_part_over_a_window():
     assert meter.between(started - 60, ended) is None
 
 
+@pytest.mark.parametrize("server_exits", [False, True], ids=["server-lives-on", "server-exits"])
+def test_what_is_spent_between_two_samples_counts_once_reaped(server_exits):
+    # Given a meter that samples only when told, and a server that starts a child and reaps it,
+    # then lives on or exits (reaped by this process)
+    meter = CpuMeter(interval=3600)
+    then = "sys.exit(0)" if server_exits else "time.sleep(60)"
+    server = subprocess.Popen(
+        [sys.executable, "-c",
+         "import subprocess, sys, time\n"
+         f"subprocess.run([sys.executable, '-c', {BURN.format(seconds=0.4)!r}])\n"
+         "print('reaped', flush=True)\n"
+         f"{then}"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        meter.track(server.pid, "server")
+        meter.start()
+        started = time.time()
+
+        # When the child burns 0.4 s of CPU and is gone before the next sample
+        assert server.stdout.readline().strip() == "reaped"
+        if server_exits:
+            server.wait(timeout=30)
+        ended = time.time()
+        meter.stop()
+    finally:
+        server.kill()
+        server.wait()
+
+    # Then its CPU is counted all the same, in the server's part, from the reaper's children's
+    # times
+    cpu = meter.between(started, ended)
+    assert cpu is not None
+    assert 0.35 <= cpu["cpu_seconds"]["server"] <= 0.7, cpu
+
+
 def test_a_window_between_two_samples_is_read_linearly_and_the_rest_is_other():
     meter = CpuMeter()
     meter._seen = {"server", "locust"}
