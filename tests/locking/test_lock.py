@@ -26,6 +26,7 @@ from redis.retry import Retry
 
 import locking
 from locking import Lock, scripts
+from locking import lock as lock_module
 from shop.processes.redis_server import RedisServer
 from tests.support import gather_from_processes, redis_url, run_in_thread
 
@@ -413,6 +414,35 @@ def test_watchdog_renews_and_stops_on_release(r: redis.Redis, prefix: str) -> No
     assert watchdog_threads(name) == []  # release joined it
     assert lock.lost is False
     assert r.exists(name) == 0
+
+
+def test_one_scheduler_wake_up_starts_every_watchdog_coming_due_soon() -> None:
+    # A process selling hundreds of units a second schedules a lease per sale: woken once per
+    # lease, the scheduler's thread would take a turn at the interpreter lock per sale.
+    scheduler = lock_module._WatchdogScheduler()
+    started: list[tuple[float, int]] = []
+    done = threading.Event()
+    soon = [0.05, 0.06, 0.07, 0.08]  # all within COALESCE of the first
+    assert max(soon) - min(soon) < scheduler.COALESCE
+
+    def start(lease: object, due: float) -> None:
+        with scheduler._condition:
+            still_pending = len(scheduler._pending)
+        started.append((due, still_pending))
+        if len(started) == len(soon):
+            done.set()
+
+    t0 = time.monotonic()
+    later = lock_module._Lease(b"later")
+    for offset in soon:
+        scheduler.schedule(t0 + offset, lock_module._Lease(b"soon"), start)
+    scheduler.schedule(t0 + 5.0, later, start)
+    assert done.wait(5)
+    # Each started with its own due time (its watchdog renews from then, not from the start):
+    assert [due for due, _ in started] == [t0 + offset for offset in soon]
+    # and all four were taken off the heap by the first wake-up: only the later one waits.
+    assert {pending for _, pending in started} == {1}
+    later.stop.set()
 
 
 @pytest.mark.parametrize("intrusion", ["overwritten", "deleted"])
