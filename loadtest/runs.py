@@ -279,7 +279,11 @@ def run_rounds(
     """Run the batch `rounds` times over, on the same server: each round a batch of its own
     (the baseline, then every strategy), recorded and reported in a folder of its own
     (round-1, round-2, ... in the load run's folder). On a noisy machine the median of the
-    rounds, and each round's own ratios, say more than one batch can."""
+    rounds, and each round's own ratios, say more than one batch can.
+
+    Each round starts one contender further on (round 2 with the first strategy, the baseline
+    last), as the benchmark's rounds do: a machine that speeds up or slows down over the
+    minutes a round lasts then favours no contender in every round by its place."""
     config.validate()
     if not 1 <= rounds <= MAX_ROUNDS:
         raise InvalidRequest(f"rounds: from 1 to {MAX_ROUNDS}")
@@ -292,8 +296,13 @@ def run_rounds(
         for number in range(1, rounds + 1):
             batch = first if number == 1 else new_batch_id()
             folder = out / f"round-{number}"
-            progress(f"round {number} of {rounds}, batch {batch}: {host}, reports in {folder}")
-            runs = _run_batch(config, batch, host, parts, queue, folder, progress)
+            contenders = [BASELINE, *config.strategies]
+            turn = (number - 1) % len(contenders)
+            order = ", ".join(contenders[turn:] + contenders[:turn])
+            progress(
+                f"round {number} of {rounds} ({order}), batch {batch}: {host}, reports in {folder}"
+            )
+            runs = _run_batch(config, batch, host, parts, queue, folder, progress, shift=number - 1)
             measured.append((batch, folder, runs))
     # Written once the processes started for the rounds have stopped, as run_batch does.
     return [
@@ -310,24 +319,35 @@ def _run_batch(
     queue: str | None,
     out: Path,
     progress: Progress,
+    *,
+    shift: int = 0,
 ) -> list[SaleRun]:
     """The baseline, then every strategy, against the server at host (their Locust files in
-    out; `queue`: the task queue of the worker started for them, if one was)."""
+    out; `queue`: the task queue of the worker started for them, if one was). With `shift`,
+    they run from the shift-th of them on, the ones before it last (`run_rounds`); the runs
+    come back in the first order all the same."""
     out.mkdir(parents=True, exist_ok=True)
     if config.cap_seconds < config.ramp_seconds + config.window:
         progress(
             f"note: a sale lasts at most {config.cap_seconds:g} s, too short for the "
             f"crowd's ramp and a {config.window:g} s window: every window will be short"
         )
-    runs: list[SaleRun] = []
-    baseline = _run_one(config, batch, BASELINE, host, parts, queue, out, progress)
-    runs.append(baseline)
-    for strategy in config.strategies:
-        run = _run_one(config, batch, strategy, host, parts, queue, out, progress)
-        run.baseline_requests_per_second = baseline.requests_per_second
-        run.save(update_fields=["baseline_requests_per_second"])
-        runs.append(run)
-    return runs
+    contenders = [BASELINE, *config.strategies]
+    shift %= len(contenders)
+    done: dict[str, SaleRun] = {}
+    for name in contenders[shift:] + contenders[:shift]:
+        run = _run_one(config, batch, name, host, parts, queue, out, progress)
+        done[name] = run
+        if name != BASELINE and BASELINE in done:
+            _measured_beside(run, done[BASELINE])
+    for strategy in contenders[shift:] if shift else ():
+        _measured_beside(done[strategy], done[BASELINE])  # they ran before the baseline
+    return [done[name] for name in contenders]
+
+
+def _measured_beside(run: SaleRun, baseline: SaleRun) -> None:
+    run.baseline_requests_per_second = baseline.requests_per_second
+    run.save(update_fields=["baseline_requests_per_second"])
 
 
 @contextmanager

@@ -227,11 +227,20 @@ def test_rounds_run_every_strategy_again_each_round_and_sum_them_up_in_medians(t
     # Then each round is a batch of its own, with a baseline and both strategies, each sale
     # sold exactly, and its reports in a folder of its own
     assert result.returncode == 0, result.stderr[-3000:]
-    batches = re.findall(r"^round \d of 2, batch (\S+):", result.stderr, re.MULTILINE)
+    rounds = re.findall(r"^round \d of 2 \(([^)]*)\), batch (\S+):", result.stderr, re.MULTILINE)
+    batches = [batch for _, batch in rounds]
     assert len(set(batches)) == 2, result.stderr[-3000:]
+    # each round starting one contender further on, so that no contender runs first in every
+    # round (a machine speeding up or slowing down would favour it)
+    orders = [["baseline", "lock", "lua"], ["lock", "lua", "baseline"]]
+    assert [order.split(", ") for order, _ in rounds] == orders
     for number, batch in enumerate(batches, start=1):
         runs = {run.strategy: run for run in SaleRun.objects.filter(batch=batch)}
         assert set(runs) == {"baseline", "lock", "lua"}
+        ran = sorted(runs.values(), key=lambda run: run.started_at)
+        assert [run.strategy for run in ran] == orders[number - 1]
+        for name in ("lock", "lua"):  # held against the baseline of their round, wherever it ran
+            assert runs[name].baseline_requests_per_second == runs["baseline"].requests_per_second
         for name in ("lock", "lua"):
             assert runs[name].status == SaleRun.Status.DONE, runs[name].error
             assert runs[name].accepted_units == 20 and runs[name].oversold == 0, name

@@ -152,7 +152,8 @@ class Command(BaseCommand):
             type=int,
             default=1,
             help="run the baseline and every strategy this many times over, on the same "
-            "server, each round a batch of its own; print every round, then each "
+            "server, each round a batch of its own, starting one contender further on "
+            "than the last; print every round, then each "
             "strategy's median and the ratios of the medians beside every round's "
             f"(default 1, at most {MAX_ROUNDS})",
         )
