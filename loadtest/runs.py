@@ -296,9 +296,7 @@ def run_rounds(
         for number in range(1, rounds + 1):
             batch = first if number == 1 else new_batch_id()
             folder = out / f"round-{number}"
-            contenders = [BASELINE, *config.strategies]
-            turn = (number - 1) % len(contenders)
-            order = ", ".join(contenders[turn:] + contenders[:turn])
+            order = ", ".join(_running_order(config.strategies, number - 1))
             progress(
                 f"round {number} of {rounds} ({order}), batch {batch}: {host}, reports in {folder}"
             )
@@ -332,17 +330,23 @@ def _run_batch(
             f"note: a sale lasts at most {config.cap_seconds:g} s, too short for the "
             f"crowd's ramp and a {config.window:g} s window: every window will be short"
         )
-    contenders = [BASELINE, *config.strategies]
-    shift %= len(contenders)
+    order = _running_order(config.strategies, shift)
     done: dict[str, SaleRun] = {}
-    for name in contenders[shift:] + contenders[:shift]:
-        run = _run_one(config, batch, name, host, parts, queue, out, progress)
-        done[name] = run
-        if name != BASELINE and BASELINE in done:
+    for name in order:
+        done[name] = run = _run_one(config, batch, name, host, parts, queue, out, progress)
+        if name == BASELINE:
+            for earlier in order[: order.index(BASELINE)]:
+                _measured_beside(done[earlier], run)
+        elif BASELINE in done:
             _measured_beside(run, done[BASELINE])
-    for strategy in contenders[shift:] if shift else ():
-        _measured_beside(done[strategy], done[BASELINE])  # they ran before the baseline
-    return [done[name] for name in contenders]
+    return [done[name] for name in (BASELINE, *config.strategies)]
+
+
+def _running_order(strategies: list[str], shift: int) -> list[str]:
+    """The baseline and `strategies`, from the shift-th of them on (the ones before it last)."""
+    contenders = [BASELINE, *strategies]
+    shift %= len(contenders)
+    return contenders[shift:] + contenders[:shift]
 
 
 def _measured_beside(run: SaleRun, baseline: SaleRun) -> None:
