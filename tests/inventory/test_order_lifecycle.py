@@ -119,6 +119,59 @@ def test_a_batch_pays_each_order_once_and_gives_declined_units_back_once(
 
 
 @pytest.mark.parametrize("strategy", ["segmented", "lua"])
+def test_overlapping_batches_settled_at_once_pay_each_order_once(settings, strategy):
+    # Given 60 orders, a third of the payments declined, and four workers' batches that share
+    # orders (each batch in its own order, as deliveries of different messages would be)
+    settings.FLASHSALE_PAYMENT_LATENCY_MS = 5
+    settings.FLASHSALE_PAYMENT_FAILURE_RATE = 0.34
+    start_sale(sku="widget", stock=60, strategy=strategy)
+    pks = [order.pk for order in _sell("widget", 60)]
+    batches = [pks[0:40], pks[20:60][::-1], pks[10:50], pks[::-1]]
+    results: list[orders.Settled] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(batches))
+
+    def settle(batch: list[int]) -> None:
+        from django.db import connection
+
+        try:
+            start.wait()
+            results.append(orders.settle_orders(batch))
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    # When they settle them all at the same time, on connections of their own, three times over
+    for _ in range(3):
+        threads = [threading.Thread(target=settle, args=(batch,)) for batch in batches]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    # Then nothing failed or deadlocked, each order was paid exactly once and moved once (every
+    # later batch skipped it), and the declined orders' units came back exactly once
+    assert errors == []
+    confirmed = [pk for result in results for pk in result.confirmed]
+    failed = [pk for result in results for pk in result.failed]
+    assert sorted(confirmed + failed) == sorted(pks)
+    assert failed, "a third of the payments should have been declined"
+    attempts = dict(
+        PaymentAttempt.objects.filter(order_id__in=pks).values_list("order_id", "approved")
+    )
+    assert PaymentAttempt.objects.filter(order_id__in=pks).count() == len(pks)
+    assert {pk for pk, approved in attempts.items() if not approved} == set(failed)
+    statuses = dict(Order.objects.filter(pk__in=pks).values_list("pk", "status"))
+    assert {statuses[pk] for pk in confirmed} == {OrderStatus.CONFIRMED}
+    assert {statuses[pk] for pk in failed} == {OrderStatus.FAILED}
+    audit = audit_sale("widget")
+    assert audit["accepted_units"] == len(confirmed), audit
+    assert audit["db_stock"] == len(failed) and audit["redis_stock"] == len(failed), audit
+    assert audit["consistent"], audit
+
+
+@pytest.mark.parametrize("strategy", ["segmented", "lua"])
 def test_a_give_back_redis_refuses_waits_on_its_own_queue_and_happens_once(
     settings, monkeypatch, strategy
 ):
