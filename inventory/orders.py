@@ -119,33 +119,27 @@ class Settled:
     skipped: list[int] = field(default_factory=list)
 
 
+_ORDERS = Order._meta.db_table
+_ORDER_KEY = Order._meta.pk.column
+
 #: A batch's open orders, locked in key order: their keys, status and creation (Unix time).
-_LOCK_OPEN = """
-SELECT {order_key}, status, extract(epoch FROM created_at)::float8 FROM {orders}
-WHERE {order_key} = ANY(%(orders)s::bigint[]) AND status = ANY(%(open)s::text[])
-ORDER BY {order_key} FOR UPDATE
+_LOCK_OPEN = f"""
+SELECT {_ORDER_KEY}, status, extract(epoch FROM created_at)::float8 FROM {_ORDERS}
+WHERE {_ORDER_KEY} = ANY(%(orders)s::bigint[]) AND status = ANY(%(open)s::text[])
+ORDER BY {_ORDER_KEY} FOR UPDATE
 """
 
 #: One round trip records a batch's payments and confirms its approved orders: what the ORM
 #: would build as a model instance per order and two statements with a parameter per order.
-_RECORD_AND_CONFIRM = """
+_RECORD_AND_CONFIRM = f"""
 WITH attempts AS (
-    INSERT INTO {attempts} (order_id, approved, created_at)
+    INSERT INTO {PaymentAttempt._meta.db_table} (order_id, approved, created_at)
     SELECT paid.order_id, paid.approved, %(now)s
     FROM unnest(%(paid)s::bigint[], %(approved)s::boolean[]) AS paid(order_id, approved)
 )
-UPDATE {orders} SET status = %(confirmed)s, updated_at = %(now)s
-WHERE {order_key} = ANY(%(confirm)s::bigint[])
+UPDATE {_ORDERS} SET status = %(confirmed)s, updated_at = %(now)s
+WHERE {_ORDER_KEY} = ANY(%(confirm)s::bigint[])
 """
-
-
-def _tables(sql: str) -> str:
-    """sql with the tables' and the order key's names filled in."""
-    return sql.format(
-        attempts=PaymentAttempt._meta.db_table,
-        orders=Order._meta.db_table,
-        order_key=Order._meta.pk.column,
-    )
 
 
 def settle_orders(order_pks: list[int]) -> Settled:
@@ -168,7 +162,7 @@ def settle_orders(order_pks: list[int]) -> Settled:
     with transaction.atomic():
         with connection.cursor() as cursor:
             cursor.execute(
-                _tables(_LOCK_OPEN),
+                _LOCK_OPEN,
                 {"orders": list(order_pks), "open": [status.value for status in OPEN_STATUSES]},
             )
             batch: list[tuple[int, str, float]] = cursor.fetchall()
@@ -182,7 +176,7 @@ def settle_orders(order_pks: list[int]) -> Settled:
         if to_pay or result.confirmed:
             with connection.cursor() as cursor:
                 cursor.execute(
-                    _tables(_RECORD_AND_CONFIRM),
+                    _RECORD_AND_CONFIRM,
                     {
                         "now": now,
                         "paid": to_pay,
