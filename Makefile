@@ -47,7 +47,7 @@ serve: $(STAMP) ## migrate, then serve on HOST:PORT (127.0.0.1:8000) plus a Cele
 	$(RUN) $(PY) -m shop.serve --host $(HOST) --port $(PORT) --workers $(WORKERS)
 
 BENCH ?= strategies
-bench: $(STAMP) ## the benchmarks without HTTP: every strategy, the peers, the ceilings (BENCH=settle: the order workers, BENCH=calls: redis-py's layers; BENCH_ARGS="--rounds 3 ...")
+bench: $(STAMP) ## the benchmarks without HTTP: every strategy, the peers, the ceilings (BENCH=settle: the order workers, BENCH=calls: redis-py's layers, BENCH=wake: a request's CPU after a wait; BENCH_ARGS="--rounds 3 ...")
 	$(RUN) sh -c '$(PY) manage.py migrate --noinput -v 0 && exec $(PY) manage.py bench $(BENCH) $(BENCH_ARGS)'
 
 demo: $(STAMP) ## flood every strategy with Locust, print the comparison, write the report (DEMO_ARGS="--stock 500 ...")
