@@ -20,8 +20,8 @@ One process calls Django's WSGI handler directly, no HTTP, and counts its own CP
 
 Blocks of --requests each, every kind in turn, --blocks times over after one unmeasured block
 each, so that a machine whose speed drifts within the minute drifts for all. It prints each
-kind's median CPU per request and its ratio to the first one of its part. Exits 1 if the
-`lua` sale oversold or does not add up.
+kind's median CPU per request and its ratio to the first one of its part. Exits 1 if a writer
+does not start, a checkout is not sold, or the `lua` sale oversold or does not add up.
 """
 
 from __future__ import annotations
@@ -205,25 +205,25 @@ def _buyers() -> Iterator[str]:
         yield f"bench-wake-{number}"
 
 
-def _writers(linger_us: int) -> dict[str, Any]:
-    """Two sale writers, forked from this process: one that takes a lone request at once, one
-    with the configured linger. {kind: (its socket, the writer)}."""
+def _start_writers(linger_us: int, directory: str, started: dict[str, Any]) -> None:
+    """Two sale writers, forked from this process, their sockets in `directory`: one that
+    takes a lone request at once, one with the configured linger. Each goes into `started`
+    ({kind: (its socket, the writer)}) as soon as it runs, for the caller to stop."""
     from django.conf import settings
 
     from .rounds import _Writer
 
     context = multiprocessing.get_context("fork")
-    started: dict[str, Any] = {}
-    directory = tempfile.mkdtemp(prefix="flashsale-bench-wake-")
-    for kind, linger in (
-        ("lua checkout, answered at once", 0),
-        (f"lua checkout, after a {linger_us / 1000:g} ms linger", linger_us),
-    ):
-        path = os.path.join(directory, f"writer-{linger}.sock")
-        settings.FLASHSALE_SALE_WRITER_LINGER_US = linger
-        started[kind] = (path, _Writer(context, path))
-    settings.FLASHSALE_SALE_WRITER_LINGER_US = linger_us
-    return started
+    try:
+        for kind, linger in (
+            ("lua checkout, answered at once", 0),
+            (f"lua checkout, after a {linger_us / 1000:g} ms linger", linger_us),
+        ):
+            path = os.path.join(directory, f"writer-{linger}.sock")
+            settings.FLASHSALE_SALE_WRITER_LINGER_US = linger
+            started[kind] = (path, _Writer(context, path))
+    finally:
+        settings.FLASHSALE_SALE_WRITER_LINGER_US = linger_us
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,8 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         f"one process, Django's WSGI handler, blocks of {args.requests} requests, "
         f"{args.blocks} of each kind in turn; CPU of this process"
     )
-    writers = _writers(linger_us)
+    writers: dict[str, Any] = {}
+    directory = tempfile.TemporaryDirectory(prefix="flashsale-bench-wake-")
     try:
+        _start_writers(linger_us, directory.name, writers)
         noop = _rows(
             _alternate(
                 {
@@ -284,10 +286,14 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         _print_rows("POST /api/checkout of a lua item through a sale writer:", checkout)
+    except RuntimeError as exc:  # a writer that did not start, a checkout not sold
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     finally:
         for _, writer in writers.values():
             writer.process.terminate()
             writer.process.join(10)
+        directory.cleanup()
         delete_task_queue(queue)
     audit = audit_sale(SKU)
     broken = audit["oversold"] or not audit["consistent"] or audit["accepted_units"] != stock
