@@ -31,6 +31,7 @@ from typing import Any
 
 import redis
 
+from .arguments import whole
 from .strategies import delete_task_queue, sandboxed, setup_django
 
 STRATEGIES = ["lock", "segmented", "lua"]
@@ -55,25 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=STRATEGIES,
         help="strategies to sell with (lock segmented lua)",
     )
-    parser.add_argument("--sales", type=_at_least(1), default=300, help="checkouts per block (300)")
+    parser.add_argument("--sales", type=whole(1), default=300, help="checkouts per block (300)")
     parser.add_argument(
-        "--blocks", type=_at_least(1), default=6, help="blocks each way, alternating (6)"
+        "--blocks", type=whole(1), default=6, help="blocks each way, alternating (6)"
     )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     return parser.parse_args(argv)
-
-
-def _at_least(low: int) -> Callable[[str], int]:
-    def parse(value: str) -> int:
-        try:
-            number = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
-        if number < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}")
-        return number
-
-    return parse
 
 
 @contextmanager

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .arguments import whole
 from .contenders import Contender
 from .measure import process_cpu_seconds
 from .rounds import run_contender
@@ -61,29 +62,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="manage.py bench settle",
         description="How fast workers settle the orders a lua flood accepted.",
     )
-    parser.add_argument("--orders", type=_at_least(10), default=3000, help="units sold (3000)")
-    parser.add_argument("--buyers", type=_at_least(1), default=8, help="buyer processes (8)")
+    parser.add_argument("--orders", type=whole(10), default=3000, help="units sold (3000)")
+    parser.add_argument("--buyers", type=whole(1), default=8, help="buyer processes (8)")
     parser.add_argument(
         "--workers", type=_counts, default=[1, 2, 4], help="worker counts to try (1,2,4)"
     )
     parser.add_argument(
-        "--payment-ms", type=_at_least(0), default=50, help="payment latency in ms (50)"
+        "--payment-ms", type=whole(0), default=50, help="payment latency in ms (50)"
     )
     parser.add_argument(
-        "--timeout", type=_at_least(1), default=300, help="seconds a backlog may take (300)"
+        "--timeout", type=whole(1), default=300, help="seconds a backlog may take (300)"
     )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     return parser.parse_args(argv)
-
-
-def _at_least(low: int):
-    def parse(value: str) -> int:
-        number = int(value)
-        if number < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}")
-        return number
-
-    return parse
 
 
 def _counts(value: str) -> list[int]:

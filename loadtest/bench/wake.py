@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from .arguments import whole
 from .strategies import delete_task_queue, sandboxed, setup_django
 
 #: Longest pause one may ask for, in ms: past it the request is as cold as it gets.
@@ -53,14 +54,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "answered by the sale writer at once and after its linger, in one process.",
     )
     parser.add_argument(
-        "--requests", type=_whole(1, 100_000), default=1000, help="requests per block (1000)"
+        "--requests", type=whole(1, 100_000), default=1000, help="requests per block (1000)"
     )
     parser.add_argument(
-        "--blocks", type=_whole(1, 50), default=3, help="measured blocks of each kind (3)"
+        "--blocks", type=whole(1, 50), default=3, help="measured blocks of each kind (3)"
     )
     parser.add_argument(
         "--pauses",
-        type=_whole(0, MAX_PAUSE_MS),
+        type=whole(0, MAX_PAUSE_MS),
         nargs="+",
         default=[0, 1, 3, 6],
         metavar="MS",
@@ -70,19 +71,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.pauses = list(dict.fromkeys(args.pauses))
     return args
-
-
-def _whole(low: int, high: int) -> Callable[[str], int]:
-    def parse(value: str) -> int:
-        try:
-            number = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
-        if not low <= number <= high:
-            raise argparse.ArgumentTypeError(f"must be from {low} to {high}")
-        return number
-
-    return parse
 
 
 class _Handler:
