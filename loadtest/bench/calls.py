@@ -20,6 +20,7 @@ counter's take, no database). Exits 1 if a sale oversold or its stock does not a
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -119,13 +120,6 @@ def _calls_block(key: str) -> Callable[[], float]:
     return block
 
 
-def _buyers() -> Iterator[str]:
-    number = 0
-    while True:
-        number += 1
-        yield f"bench-calls-{number}"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     problem = setup_django() or sandboxed("loadtest.bench.calls", argv)
@@ -159,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows: list[dict[str, Any]] = []
     broken: list[str] = []
-    buyers = _buyers()
+    buyers = (f"bench-calls-{number}" for number in itertools.count(1))
     try:
         for strategy in args.strategies:
             sku = f"bench-calls-{strategy}"

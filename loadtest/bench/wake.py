@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import json
 import multiprocessing
 import os
@@ -186,13 +187,6 @@ def _print_rows(title: str, rows: list[dict[str, Any]]) -> None:
         )
 
 
-def _buyers() -> Iterator[str]:
-    number = 0
-    while True:
-        number += 1
-        yield f"bench-wake-{number}"
-
-
 def _start_writers(linger_us: int, directory: str, started: dict[str, Any]) -> None:
     """Two sale writers, forked from this process, their sockets in `directory`: one that
     takes a lone request at once, one with the configured linger. Each goes into `started`
@@ -263,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         _print_rows("POST /api/noop, the CPU counted around the request alone:", noop)
-        buyers = _buyers()
+        buyers = (f"bench-wake-{number}" for number in itertools.count(1))
         checkout = _rows(
             _alternate(
                 {
