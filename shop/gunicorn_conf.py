@@ -24,8 +24,9 @@ if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
 
 
 def on_starting(server: Any) -> None:
-    """Before any worker starts: the directory, there and empty (files an earlier server left
-    would be counted with this one's)."""
+    """Before any worker starts: refuse a worker class the shop cannot run on; then the
+    directory, there and empty (files an earlier server left would be counted with this one's)."""
+    refuse_cooperative_workers(server.cfg.worker_class)
     directory = Path(os.environ["PROMETHEUS_MULTIPROC_DIR"])
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
@@ -41,3 +42,23 @@ def child_exit(server: Any, worker: Any) -> None:
 def on_exit(server: Any) -> None:
     if _owned is not None:
         shutil.rmtree(_owned, ignore_errors=True)
+
+
+def refuse_cooperative_workers(worker_class: type) -> None:
+    """Raise RuntimeError (gunicorn prints it and exits 1) for gevent's and eventlet's workers.
+
+    They patch the standard library when a worker starts, and this package has imported Django
+    long before (loading this file imports `shop`, which imports the Celery app): Django's
+    connections are then per thread, not per greenlet, so every request of a worker would share
+    one database connection, and Django refuses that on the first query. Sync workers (the
+    default) and gthread serve the shop.
+    """
+    from gunicorn.workers.base_async import AsyncWorker
+
+    if issubclass(worker_class, AsyncWorker):
+        raise RuntimeError(
+            f"gunicorn's {worker_class.__name__} is not supported: Django is imported before "
+            "it could patch the standard library, so its greenlets would share one database "
+            "connection. Run sync workers (the default) or gthread "
+            "(--worker-class gthread --threads N)."
+        )
