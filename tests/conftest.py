@@ -14,6 +14,7 @@ from urllib.parse import quote
 
 import pytest
 import redis
+import requests
 from django.conf import settings
 from django.db import connection
 
@@ -155,6 +156,14 @@ def wait_until(condition, *, timeout: float, interval: float = 0.1) -> bool:
             return True
         time.sleep(interval)
     return condition()
+
+
+def answers_ok(url: str) -> bool:
+    """Whether `url` answers 200 within 2 s (False when it does not answer at all)."""
+    try:
+        return requests.get(url, timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
 
 
 def _socket_path() -> str:

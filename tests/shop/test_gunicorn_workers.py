@@ -13,7 +13,7 @@ import requests
 from shop.processes.ports import free_port
 from shop.processes.servers import PROJECT_DIR as ROOT
 from shop.processes.servers import stop_group
-from tests.conftest import server_env, wait_until
+from tests.conftest import answers_ok, server_env, wait_until
 
 
 def _gunicorn(port: int, *options: str) -> list[str]:
@@ -22,13 +22,6 @@ def _gunicorn(port: int, *options: str) -> list[str]:
         "--config", "python:shop.gunicorn_conf", "--bind", f"127.0.0.1:{port}",
         "--graceful-timeout", "5", *options,
     ]  # fmt: skip
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return requests.get(url, timeout=2).status_code == 200
-    except requests.RequestException:
-        return False
 
 
 def test_gevent_workers_are_refused_before_any_worker_starts(tmp_path):
@@ -45,7 +38,7 @@ def test_gevent_workers_are_refused_before_any_worker_starts(tmp_path):
     assert "GeventWorker is not supported" in result.stderr
     assert "sync workers" in result.stderr and "gthread" in result.stderr
     # and it served nothing and left nothing behind
-    assert not _healthy(f"http://127.0.0.1:{port}/healthz")
+    assert not answers_ok(f"http://127.0.0.1:{port}/healthz")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -59,7 +52,7 @@ def test_sync_and_gthread_workers_serve_the_shop(options):
     )  # fmt: skip
     try:
         # Then it answers /healthz, its database and Redis reachable
-        assert wait_until(lambda: _healthy(f"http://127.0.0.1:{port}/healthz"), timeout=30)
+        assert wait_until(lambda: answers_ok(f"http://127.0.0.1:{port}/healthz"), timeout=30)
         health = requests.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json()
         assert health["database"] == "ok" and health["redis"] == "ok"
     finally:

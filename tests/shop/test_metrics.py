@@ -28,7 +28,14 @@ from inventory.tasks import give_back_task
 from shop.processes.ports import free_port
 from shop.processes.servers import PROJECT_DIR as ROOT
 from shop.processes.servers import stop_group
-from tests.conftest import TEST_API_TOKEN, server_env, start_shop, start_worker, wait_until
+from tests.conftest import (
+    TEST_API_TOKEN,
+    answers_ok,
+    server_env,
+    start_shop,
+    start_worker,
+    wait_until,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -266,19 +273,12 @@ def test_gunicorn_makes_its_own_metrics_directory_when_none_is_given_and_removes
         cwd=ROOT, env={**os.environ, **env}, start_new_session=True,
     )  # fmt: skip
     try:
-        assert wait_until(lambda: _answers(f"http://127.0.0.1:{port}/healthz"), timeout=30)
+        assert wait_until(lambda: answers_ok(f"http://127.0.0.1:{port}/healthz"), timeout=30)
         # Then its workers count into a directory of its own, which it removes as it stops
         assert [path.name for path in tmp_path.iterdir()] == [f"flashsale-metrics-{process.pid}"]
     finally:
         stop_group(process, timeout=30)  # SIGTERM: a graceful stop, which runs on_exit
     assert list(tmp_path.iterdir()) == []
-
-
-def _answers(url: str) -> bool:
-    try:
-        return requests.get(url, timeout=2).status_code == 200
-    except requests.RequestException:
-        return False
 
 
 def test_units_oversold_show_per_item_on_sale(settings):
