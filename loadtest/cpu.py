@@ -106,11 +106,12 @@ class CpuMeter:
         if not self.available():
             return self
         self._host0 = host_cpu_times()
+        before = self._instant()
         processes = _processes()
         with self._lock:
             roots = dict(self.roots)
         self._remember(processes, {pid: self._part_of(pid, processes, roots) for pid in processes})
-        self._record()
+        self._record(before)
         self._thread = threading.Thread(target=self._run, name="cpu-meter", daemon=True)
         self._thread.start()
         return self
@@ -128,6 +129,7 @@ class CpuMeter:
 
     def sample(self) -> None:
         """Take one sample now (the thread does every `interval`)."""
+        before = self._instant()
         processes = _processes()
         with self._lock:
             roots = dict(self.roots)
@@ -157,7 +159,7 @@ class CpuMeter:
             gone_parts = {self._part.get(child) for child in gone}
             self._add(gone_parts.pop() if len(gone_parts) == 1 else parts[pid], remainder)
         self._remember(processes, parts)
-        self._record()
+        self._record(before)
 
     def _add(self, part: str | None, jiffies: int) -> None:
         if part is not None and jiffies > 0:
@@ -182,13 +184,21 @@ class CpuMeter:
             hops += 1
         return None
 
-    def _record(self) -> None:
-        host = host_cpu_times()
-        if host is None or self._host0 is None:
+    @staticmethod
+    def _instant() -> tuple[float, tuple[float, float] | None]:
+        return time.time(), host_cpu_times()
+
+    def _record(self, before: tuple[float, tuple[float, float] | None]) -> None:
+        """Records the parts as read by the scan that started at `before`. The scan of /proc
+        takes a while on a busy host, so the host's CPU and the time are those halfway
+        through it, the mean of the readings before and after it."""
+        at, host = before
+        after_at, after_host = self._instant()
+        if host is None or after_host is None or self._host0 is None:
             return
-        busy = (host[0] - self._host0[0]) / _ticks()
-        total = (host[1] - self._host0[1]) / _ticks()
-        self.samples.append(_Sample(time.time(), dict(self._parts), busy, total))
+        busy = ((host[0] + after_host[0]) / 2 - self._host0[0]) / _ticks()
+        total = ((host[1] + after_host[1]) / 2 - self._host0[1]) / _ticks()
+        self.samples.append(_Sample((at + after_at) / 2, dict(self._parts), busy, total))
 
     def between(self, start: float, end: float) -> dict[str, object] | None:
         """CPU seconds by part from `start` to `end` (Unix times), read off the samples
