@@ -174,6 +174,15 @@ def sell(order: SaleRecorder, allocation: Allocation) -> Sold | None:
     nothing is written). Outside a transaction the statement commits on return; inside one it
     is part of it, and the lock timeout it sets holds until that transaction ends.
     """
+    with prepare_sale(order, allocation) as sale:
+        return sale()
+
+
+def prepare_sale(order: SaleRecorder, allocation: Allocation) -> PreparedSale:
+    """`sell`'s statement, built and with a cursor open, to run later (`PreparedSale`): a lock
+    holder prepares its sale before it asks for the lock, so that what it holds the lock for
+    is the statement's round trip and little else. Raises ValueError for an allocation `sell`
+    refuses."""
     item, qty = order.item, order.qty
     shard_units, set_stock = allocation.shard_units, allocation.set_stock
     expected_version, limit = allocation.expected_version, order.limit
@@ -192,10 +201,8 @@ def sell(order: SaleRecorder, allocation: Allocation) -> Sold | None:
             f"{'name the rows to take from' if item.shard_count else 'it has none to take from'}"
         )
     units = {str(index): units for index, units in shards} or None
-    now = timezone.now()
-    public_id = new_public_id()
     params: dict[str, object] = {
-        "public_id": public_id,
+        "public_id": new_public_id(),
         "item": item.pk,
         "sale": item.current_sale_id,
         "qty": qty,
@@ -204,7 +211,7 @@ def sell(order: SaleRecorder, allocation: Allocation) -> Sold | None:
         "served_by": served_by,
         "fallback": fallback,
         "shard_units": None if units is None else json.dumps(units),
-        "now": now,
+        "now": None,  # when it runs
         "limit": limit,
         "set_stock": set_stock,
         "version": expected_version,
@@ -220,48 +227,88 @@ def sell(order: SaleRecorder, allocation: Allocation) -> Sold | None:
             params[f"sg{n}"] = _gate(item.current_sale_id or 0, index)[1]
     if gated and not shards:
         params["gate"] = _gate(item.pk)[1]
-    sql = _sale_sql(
-        len(shards),
-        absolute=set_stock is not None,
-        versioned=expected_version is not None,
-        limited=limit is not None,
-        fenced=fence is not None or shard_fences is not None,
-        gated=gated,
+    variant = {
+        "absolute": set_stock is not None,
+        "versioned": expected_version is not None,
+        "limited": limit is not None,
+        "gated": gated,
+    }
+    return PreparedSale(
+        order=order,
+        params=params,
+        units=units,
+        shards=bool(shards),
+        # The item row's fence is known only once the lock is held: both forms are at hand.
+        sql=_sale_sql(len(shards), fenced=fence is not None or shard_fences is not None, **variant),
+        fenced_sql=None if shards else _sale_sql(0, fenced=True, **variant),
     )
-    try:
-        with prepared_cursor() as cursor:
-            cursor.execute(sql, params)
-            row = cursor.fetchone()
-    except DatabaseError as exc:
-        sqlstate = getattr(exc.__cause__, "sqlstate", None)
-        if sqlstate == HALF_DONE_SQLSTATE:
-            raise HalfDone(str(exc.__cause__)) from None
-        if sqlstate == LOCK_NOT_AVAILABLE_SQLSTATE:
-            raise RowLockTimeout(str(exc.__cause__)) from None
-        raise
-    order_id, item_stock, current_sale = row[0], row[1], row[2]
-    if order_id is None:
-        if current_sale != item.current_sale_id:
-            raise SaleRestarted(f"{item.sku}: sale {item.current_sale_id} is over")
-        if fence is not None and row[3] > fence:
-            raise Fenced(f"{item.sku}: the item row has accepted a later lock holder's sale")
-        return None
-    fields = order.order_fields(
-        order_id=order_id,
-        public_id=public_id,
-        served_by=served_by,
-        fallback=fallback,
-        shard_units=units,
-        placed_at=now,
-    )
-    rows = {int(index): pair for index, pair in (row[3] or {}).items()} if shards else {}
-    return Sold(
-        item=item,
-        order_fields=fields,
-        item_stock=item_stock,
-        shard_levels={index: left for index, (left, _) in rows.items()},
-        shard_versions={index: version for index, (_, version) in rows.items()},
-    )
+
+
+@dataclass
+class PreparedSale:
+    """One sale statement ready to run (`prepare_sale`): its parameters built and a cursor
+    open. Call it once, with the lock's fencing token for the item row when it was not in
+    the allocation, to run it (as `sell` does, returning the same); use it as a context
+    manager, so that its cursor is closed whether it runs or not."""
+
+    order: SaleRecorder
+    params: dict[str, object]
+    units: dict[str, int] | None
+    shards: bool
+    sql: str
+    fenced_sql: str | None
+    cursor: Any = None
+
+    def __enter__(self) -> PreparedSale:
+        self.cursor = prepared_cursor()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.cursor.close()
+
+    def __call__(self, *, fence: int | None = None) -> Sold | None:
+        params, order = self.params, self.order
+        item = order.item
+        sql = self.sql
+        if fence is not None:
+            if self.fenced_sql is None:
+                raise ValueError("a sale from stock rows takes no item fence")
+            params["fence"], sql = fence, self.fenced_sql
+        fence = params["fence"]  # type: ignore[assignment]
+        params["now"] = now = timezone.now()
+        try:
+            self.cursor.execute(sql, params)
+            row = self.cursor.fetchone()
+        except DatabaseError as exc:
+            sqlstate = getattr(exc.__cause__, "sqlstate", None)
+            if sqlstate == HALF_DONE_SQLSTATE:
+                raise HalfDone(str(exc.__cause__)) from None
+            if sqlstate == LOCK_NOT_AVAILABLE_SQLSTATE:
+                raise RowLockTimeout(str(exc.__cause__)) from None
+            raise
+        order_id, item_stock, current_sale = row[0], row[1], row[2]
+        if order_id is None:
+            if current_sale != item.current_sale_id:
+                raise SaleRestarted(f"{item.sku}: sale {item.current_sale_id} is over")
+            if fence is not None and row[3] > fence:
+                raise Fenced(f"{item.sku}: the item row has accepted a later lock holder's sale")
+            return None
+        fields = order.order_fields(
+            order_id=order_id,
+            public_id=params["public_id"],  # type: ignore[arg-type]
+            served_by=params["served_by"],  # type: ignore[arg-type]
+            fallback=params["fallback"],  # type: ignore[arg-type]
+            shard_units=self.units,
+            placed_at=now,
+        )
+        rows = {int(index): pair for index, pair in (row[3] or {}).items()} if self.shards else {}
+        return Sold(
+            item=item,
+            order_fields=fields,
+            item_stock=item_stock,
+            shard_levels={index: left for index, (left, _) in rows.items()},
+            shard_versions={index: version for index, (_, version) in rows.items()},
+        )
 
 
 def sell_batch(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -611,6 +658,9 @@ class SaleRecorder:
 
     def __call__(self, allocation: Allocation) -> Sold | None:
         return sell(self, allocation)
+
+    def prepare(self, allocation: Allocation) -> PreparedSale:
+        return prepare_sale(self, allocation)
 
     def as_fallback(self) -> SaleRecorder:
         return replace(self, fallback=True)

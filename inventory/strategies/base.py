@@ -40,6 +40,20 @@ class Allocation:
         return replace(self, fallback=True)
 
 
+class PreparedWrite(Protocol):
+    """One sale's statement made ready before it may be written (`RecordOrder.prepare`): used
+    as a context manager (which frees what it holds, whether it ran or not), and called once
+    to write it."""
+
+    def __enter__(self) -> PreparedWrite: ...
+
+    def __exit__(self, *exc_info: object) -> None: ...
+
+    def __call__(self, *, fence: int | None = None) -> Sold | None:
+        """Write it, as the recorder's call does, with `fence` (a lock's fencing token for the
+        item row, known only once the lock is held) when given."""
+
+
 class RecordOrder(Protocol):
     """Writes the checkout's sale (`inventory.stock.SaleRecorder`)."""
 
@@ -53,6 +67,10 @@ class RecordOrder(Protocol):
         records) all at once: the committed sale, or None when a guard refused and nothing
         changed. Raises `inventory.stock.HalfDone` when a multi-row allocation was refused part
         way (nothing changed either)."""
+
+    def prepare(self, allocation: Allocation) -> PreparedWrite:
+        """The same write as a call with `allocation`, made ready (its statement built, a
+        cursor open) to run later: a lock holder prepares it before it asks for the lock."""
 
     def as_fallback(self) -> RecordOrder:
         """The same checkout, recorded as served by the database fallback."""

@@ -45,23 +45,26 @@ class LockStrategy(StockStrategy):
             if item.stock < qty:
                 raise SoldOut(sku=item.sku, requested=qty, remaining=item.stock)
         lock = new_lock(keys.item_lock(item), strategy=self.name, quorum=True)
-        if not acquire_lock(lock):
-            raise Busy(
-                f"{item.sku}: lock still held after {settings.FLASHSALE_LOCK_WAIT_MS} ms",
-                retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
-            )
-        try:
-            simulate_work()
-            ensure_still_held(lock, item.sku)
-            sold = record(Allocation(strategy=self.name, fence=fence_of(lock)))
-        except Fenced as refused:
-            metrics.LOCKS_LOST.labels(self.name, "fenced").inc()
-            raise LockLost(
-                f"lock lost before commit: {refused}",
-                retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
-            ) from None
-        finally:
-            release_quietly(lock)
+        # The sale's statement is built and a cursor opened before the lock is asked for: the
+        # lock is held for the statement's round trip and little else.
+        with record.prepare(Allocation(strategy=self.name)) as write:
+            if not acquire_lock(lock):
+                raise Busy(
+                    f"{item.sku}: lock still held after {settings.FLASHSALE_LOCK_WAIT_MS} ms",
+                    retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+                )
+            try:
+                simulate_work()
+                ensure_still_held(lock, item.sku)
+                sold = write(fence=fence_of(lock))
+            except Fenced as refused:
+                metrics.LOCKS_LOST.labels(self.name, "fenced").inc()
+                raise LockLost(
+                    f"lock lost before commit: {refused}",
+                    retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+                ) from None
+            finally:
+                release_quietly(lock)
         if sold is None:
             item.stock = read_stock(item.pk).stock
             raise SoldOut(sku=item.sku, requested=qty, remaining=item.stock)

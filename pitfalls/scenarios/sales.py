@@ -28,7 +28,7 @@ from inventory.redis_client import REDIS_DOWN_ERRORS
 from inventory.services import start_sale
 from inventory.stock import SaleRecorder, Sold
 from inventory.strategies import get_strategy
-from inventory.strategies.base import Allocation, StockStrategy
+from inventory.strategies.base import Allocation, PreparedWrite, StockStrategy
 from inventory.strategies.lua import LuaStrategy
 
 from .. import naive
@@ -227,6 +227,28 @@ class _BeforeWrite:
     def __call__(self, allocation: Allocation) -> Sold | None:
         self.hook()
         return self.record(allocation)
+
+    def prepare(self, allocation: Allocation) -> _HookedWrite:
+        return _HookedWrite(self.record.prepare(allocation), self.hook)
+
+
+class _HookedWrite:
+    """A prepared write that calls `hook` when it is written."""
+
+    def __init__(self, write: PreparedWrite, hook: Callable[[], object]) -> None:
+        self.write = write
+        self.hook = hook
+
+    def __enter__(self) -> _HookedWrite:
+        self.write.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.write.__exit__(*exc_info)
+
+    def __call__(self, *, fence: int | None = None) -> Sold | None:
+        self.hook()
+        return self.write(fence=fence)
 
 
 def _stopped(pid: int) -> bool:

@@ -123,6 +123,59 @@ def test_each_stock_row_checks_the_fence_of_its_own_lock():
         _sell(item, 1, "d", Allocation("segmented", shard_units={2: 1}, shard_fences={0: 60}))
 
 
+def test_a_prepared_sale_decides_when_it_runs_not_when_it_was_prepared():
+    # Given a lock holder's sale of the last two units, prepared (statement built, cursor open)
+    # before its lock, the way `lock` prepares it, with no fence yet
+    start_sale(sku="prepared", stock=2, strategy="lock")
+    item = Item.objects.get(sku="prepared")
+    recorder = stock.SaleRecorder(item=item, qty=2, buyer="waiter")
+    with recorder.prepare(Allocation("lock")) as write:
+        # When, while it waits for the lock, another holder with a later fence sells one unit
+        assert _sell(item, 1, "first", Allocation("lock", fence=8)) is not None
+        before = _rows("prepared")
+        # Then run with its own lock's fence, older than the row's, it is refused as fenced,
+        # and nothing changes
+        with pytest.raises(stock.Fenced):
+            write(fence=7)
+        assert _rows("prepared") == before
+
+    # And prepared and run under the later fence it is refused for want of stock (one unit
+    # left, two asked), read when it runs: nothing changes either
+    with recorder.prepare(Allocation("lock")) as write:
+        assert write(fence=9) is None
+    assert _rows("prepared") == before
+    # And one unit, prepared before and run after the stock changed, sells with its fence
+    one = stock.SaleRecorder(item=item, qty=1, buyer="last")
+    with one.prepare(Allocation("lock")) as write:
+        sold = write(fence=10)
+    assert sold is not None and sold.item_stock == 0
+    order = Order.objects.get(pk=sold.order.pk)
+    assert (order.buyer, order.qty, order.served_by) == ("last", 1, "lock")
+    item.refresh_from_db()
+    assert (item.units_left, item.fence) == (0, 10)
+
+
+def test_a_prepared_sale_that_never_runs_writes_nothing_and_closes_its_cursor():
+    start_sale(sku="unrun", stock=3, strategy="lock")
+    item = Item.objects.get(sku="unrun")
+    before = _rows("unrun")
+    recorder = stock.SaleRecorder(item=item, qty=1, buyer="gave-up")
+
+    # (a lock wait that ran out: the checkout is answered busy before its write)
+    with pytest.raises(Busy), recorder.prepare(Allocation("lock")) as write:
+        raise Busy("the lock stayed held", retry_after=1)
+
+    assert write.cursor.closed and _rows("unrun") == before
+    # a sale from stock rows takes no item fence, prepared or not
+    start_sale(sku="unrun-rows", stock=20, strategy="segmented")
+    rows = Item.objects.get(sku="unrun-rows")
+    shard_sale = stock.SaleRecorder(item=rows, qty=1, buyer="x")
+    with shard_sale.prepare(Allocation("segmented", shard_units={0: 1})) as write:
+        with pytest.raises(ValueError, match="no item fence"):
+            write(fence=3)
+    assert StockShard.objects.get(sale=rows.current_sale, index=0).stock == 2
+
+
 @pytest.mark.parametrize("strategy", ["segmented", "lua"])
 def test_a_sale_from_stock_rows_writes_its_rows_and_never_the_item_row(strategy):
     # Given an item sold from stock rows, whose item row another session holds locked the way
