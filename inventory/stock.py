@@ -201,8 +201,9 @@ def prepare_sale(order: SaleRecorder, allocation: Allocation) -> PreparedSale:
             f"{'name the rows to take from' if item.shard_count else 'it has none to take from'}"
         )
     units = {str(index): units for index, units in shards} or None
+    public_id = new_public_id()
     params: dict[str, object] = {
-        "public_id": new_public_id(),
+        "public_id": public_id,
         "item": item.pk,
         "sale": item.current_sale_id,
         "qty": qty,
@@ -227,20 +228,20 @@ def prepare_sale(order: SaleRecorder, allocation: Allocation) -> PreparedSale:
             params[f"sg{n}"] = _gate(item.current_sale_id or 0, index)[1]
     if gated and not shards:
         params["gate"] = _gate(item.pk)[1]
-    variant = {
-        "absolute": set_stock is not None,
-        "versioned": expected_version is not None,
-        "limited": limit is not None,
-        "gated": gated,
-    }
     return PreparedSale(
         order=order,
         params=params,
+        public_id=public_id,
+        served_by=served_by,
+        fallback=fallback,
         units=units,
-        shards=bool(shards),
-        # The item row's fence is known only once the lock is held: both forms are at hand.
-        sql=_sale_sql(len(shards), fenced=fence is not None or shard_fences is not None, **variant),
-        fenced_sql=None if shards else _sale_sql(0, fenced=True, **variant),
+        shape={
+            "absolute": set_stock is not None,
+            "versioned": expected_version is not None,
+            "limited": limit is not None,
+            "fenced": fence is not None or shard_fences is not None,
+            "gated": gated,
+        },
     )
 
 
@@ -253,10 +254,13 @@ class PreparedSale:
 
     order: SaleRecorder
     params: dict[str, object]
+    public_id: uuid.UUID
+    served_by: str
+    fallback: bool
+    #: The units taken from each stock row ({index: units}); None for a sale from the item row.
     units: dict[str, int] | None
-    shards: bool
-    sql: str
-    fenced_sql: str | None
+    #: The statement's form, as `_sale_sql` takes it.
+    shape: dict[str, bool]
     cursor: Any = None
 
     def __enter__(self) -> PreparedSale:
@@ -267,17 +271,18 @@ class PreparedSale:
         self.cursor.close()
 
     def __call__(self, *, fence: int | None = None) -> Sold | None:
-        params, order = self.params, self.order
+        params, order, units = self.params, self.order, self.units
         item = order.item
-        sql = self.sql
+        shape = self.shape
         if fence is not None:
-            if self.fenced_sql is None:
+            # The item row's fence, known only once the lock is held.
+            if units is not None:
                 raise ValueError("a sale from stock rows takes no item fence")
-            params["fence"], sql = fence, self.fenced_sql
-        fence = params["fence"]  # type: ignore[assignment]
+            params["fence"], shape = fence, {**shape, "fenced": True}
+        fenced_by = params["fence"]
         params["now"] = now = timezone.now()
         try:
-            self.cursor.execute(sql, params)
+            self.cursor.execute(_sale_sql(len(units or ()), **shape), params)
             row = self.cursor.fetchone()
         except DatabaseError as exc:
             sqlstate = getattr(exc.__cause__, "sqlstate", None)
@@ -290,18 +295,18 @@ class PreparedSale:
         if order_id is None:
             if current_sale != item.current_sale_id:
                 raise SaleRestarted(f"{item.sku}: sale {item.current_sale_id} is over")
-            if fence is not None and row[3] > fence:
+            if fenced_by is not None and row[3] > fenced_by:
                 raise Fenced(f"{item.sku}: the item row has accepted a later lock holder's sale")
             return None
         fields = order.order_fields(
             order_id=order_id,
-            public_id=params["public_id"],  # type: ignore[arg-type]
-            served_by=params["served_by"],  # type: ignore[arg-type]
-            fallback=params["fallback"],  # type: ignore[arg-type]
-            shard_units=self.units,
+            public_id=self.public_id,
+            served_by=self.served_by,
+            fallback=self.fallback,
+            shard_units=units,
             placed_at=now,
         )
-        rows = {int(index): pair for index, pair in (row[3] or {}).items()} if self.shards else {}
+        rows = {int(index): pair for index, pair in (row[3] or {}).items()} if units else {}
         return Sold(
             item=item,
             order_fields=fields,

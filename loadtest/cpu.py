@@ -105,8 +105,8 @@ class CpuMeter:
     def start(self) -> CpuMeter:
         if not self.available():
             return self
-        self._host0 = host_cpu_times()
         before = self._instant()
+        self._host0 = before[1]
         processes = _processes()
         with self._lock:
             roots = dict(self.roots)
