@@ -62,9 +62,11 @@ LEGEND = (
     "<em>p99 ms</em>: checkout latency while the sale sold; <em>sold out s</em>: from the "
     "opening to the last unit; <em>oversold</em>: accepted beyond the stock; <em>lost "
     "updates</em>: units accepted beyond what the stock went down by; <em>remaining</em>: "
-    "stock not sold; <em>x HTTP</em>: requests/s as a share of the baseline measured in the "
-    "same batch against a no-op endpoint; <em>settle p50/p99 ms</em>: from an order's 201 to "
-    "its final status (paid and confirmed, or failed), the worker running throughout."
+    "stock not sold; <em>req/s</em>: HTTP requests per second over the same window (the "
+    "baseline's: from once its crowd is in to its end); <em>x HTTP</em>: that as a share of "
+    "the baseline measured in the same batch against a no-op endpoint; <em>settle p50/p99 "
+    "ms</em>: from an order's 201 to its final status (paid and confirmed, or failed), the "
+    "worker running throughout."
 )
 
 

@@ -518,7 +518,7 @@ def _run_one(
                     config, run, host, prefix, progress, config.baseline_seconds, meter=meter
                 )
             _read_stats(run, prefix, config.qty, exit_code)
-            _record_baseline_cpu(run, prefix, config, meter)
+            _record_baseline_rate(run, prefix, config, meter)
         # 1: some requests failed, counted above; 3: oversold, which the audit shows.
         if exit_code not in (0, 1, OVERSOLD_EXIT_CODE):
             raise LoadRunError(f"Locust exited with {exit_code}; see {prefix}.log")
@@ -593,6 +593,7 @@ def _sell(
     if config.settle_timeout:
         _settle(run.sku, timeout=config.settle_timeout)
     _record_audit(run, sale.opens_at, config)
+    _record_window_rate(run, prefix)
     window = run.audit["window"]
     if window.get("units"):
         cpu = meter.between(window["starts_at"], window["ends_at"])
@@ -744,16 +745,14 @@ def _metering(meter: CpuMeter) -> Iterator[CpuMeter]:
         meter.stop()
 
 
-def _record_baseline_cpu(
+def _record_baseline_rate(
     run: SaleRun, prefix: Path, config: LoadRunSettings, meter: CpuMeter
 ) -> None:
-    """The baseline's CPU per request, from once the crowd is in to the end of its run (the
-    requests counted from Locust's history)."""
-    totals = [
-        (int(row["Timestamp"]), int(row["Total Request Count"] or 0))
-        for row in _rows(Path(f"{prefix}_stats_history.csv"))
-        if row["Name"] == "Aggregated"
-    ]
+    """The baseline's requests/s and CPU per request from once the crowd is in to the end of
+    its run, as a strategy's units/s are measured once its crowd is in (the requests counted
+    from Locust's history). Locust's figure for the whole run, the ramp included, stays in
+    `audit.http`."""
+    totals = http_totals(Path(f"{prefix}_stats_history.csv"))
     if len(totals) < 2:
         return
     start_at = totals[0][0] + math.ceil(config.ramp_seconds)
@@ -761,11 +760,36 @@ def _record_baseline_cpu(
     if len(steady) < 2:
         return
     (start, first), (end, last) = steady[0], steady[-1]
+    _measured_between(run, start, end, (last - first) / (end - start))
     cpu = meter.between(start, end)
     if cpu is not None and last > first:
         requests = last - first
         cpu = {**cpu, "requests": requests, "per_request_ms": per_unit(cpu, requests)}
         run.audit = {**run.audit, "cpu": cpu}
+
+
+def _record_window_rate(run: SaleRun, prefix: Path) -> None:
+    """A sale's HTTP requests/s over its measured window, the span of its units/s."""
+    window = run.audit["window"]
+    if window.get("units"):
+        totals = http_totals(Path(f"{prefix}_stats_history.csv"))
+        rate = requests_between(totals, window["starts_at"], window["ends_at"])
+        if rate is not None:
+            _measured_between(run, window["starts_at"], window["ends_at"], rate)
+
+
+def _measured_between(run: SaleRun, start: float, end: float, rate: float) -> None:
+    """Record `rate` as the run's requests/s, Locust's whole-run figure beside it."""
+    run.audit = {
+        **run.audit,
+        "http": {
+            "from": start,
+            "to": end,
+            "requests_per_second": round(rate, 1),
+            "whole_run_requests_per_second": run.requests_per_second,
+        },
+    }
+    run.requests_per_second = round(rate, 1)
 
 
 def _exited(process: subprocess.Popen[bytes], *, within: float) -> bool:
@@ -829,31 +853,73 @@ def _read_stats(run: SaleRun, prefix: Path, qty: int, exit_code: int) -> None:
         ) from exc
 
 
-def latest_rates(path: Path) -> tuple[float, int]:
-    """HTTP requests/s in the latest second of a run's Locust history, and its failures so far
-    (0, 0 before Locust wrote any)."""
-    latest: dict[str, list[dict[str, str]]] = {}
+def _http_counts(path: Path) -> list[tuple[int, int, int]]:
+    """(Unix second, HTTP requests so far, failures so far) at each row of a run's Locust
+    history, oldest first: every HTTP entry summed (the locustfile's UNITS and LOCK entries are
+    not requests). Empty before Locust wrote any."""
+    counts: dict[int, tuple[int, int]] = {}
     for row in _rows(path) if path.exists() else []:
         if row["Type"] in HTTP_TYPES:
-            latest.setdefault(row["Timestamp"], []).append(row)
-    if not latest:
+            second = int(row["Timestamp"])
+            requests, failures = counts.get(second, (0, 0))
+            counts[second] = (
+                requests + int(row["Total Request Count"] or 0),
+                failures + int(row["Total Failure Count"] or 0),
+            )
+    return [(second, *counts[second]) for second in sorted(counts)]
+
+
+def http_totals(path: Path) -> list[tuple[int, int]]:
+    """(Unix second, HTTP requests so far) at each row of a run's Locust history."""
+    return [(second, requests) for second, requests, _ in _http_counts(path)]
+
+
+def requests_between(totals: list[tuple[int, int]], start: float, end: float) -> float | None:
+    """HTTP requests per second from `start` to `end` (Unix times), read off `http_totals`:
+    the running count at each end, taken between the rows around it as if the requests of
+    that second came evenly. None when the span is empty or outside the history.
+
+    Locust's own `Requests/s` will not do: its whole-run figure counts the crowd's ramp and
+    the drain, and each history row's is an average of the seconds before the last two,
+    which lags a rate that moves.
+    """
+    if len(totals) < 2 or end <= start or start < totals[0][0] or end > totals[-1][0]:
+        return None
+
+    def count_at(moment: float) -> float:
+        for (before, low), (after, high) in zip(totals, totals[1:], strict=False):
+            if before <= moment <= after:
+                return low + (high - low) * (moment - before) / (after - before)
+        return float(totals[-1][1])
+
+    return (count_at(end) - count_at(start)) / (end - start)
+
+
+def latest_rates(path: Path) -> tuple[float, int]:
+    """HTTP requests/s over the latest second of a run's Locust history, and its failures so
+    far (0, 0 before Locust wrote any)."""
+    counts = _http_counts(path)
+    if not counts:
         return 0.0, 0
-    rows = latest[max(latest, key=int)]
-    rate = sum(float(row["Requests/s"] or 0) for row in rows)
-    return rate, sum(int(row["Total Failure Count"] or 0) for row in rows)
+    rate = 0.0
+    if len(counts) > 1:
+        (before, earlier, _), (after, latest, _) = counts[-2:]
+        rate = (latest - earlier) / (after - before)
+    return rate, counts[-1][2]
 
 
 def _history(path: Path, qty: int) -> list[dict[str, float]]:
-    """One sample a second: users, HTTP requests/s, checkout p95, units sold so far."""
+    """One sample a second: users, HTTP requests/s (over the second before the sample),
+    checkout p95, units sold so far."""
     samples: dict[int, dict[str, float]] = {}
     for row in _rows(path):
         second = int(row["Timestamp"])
         sample = samples.setdefault(
-            second, {"users": 0, "requests_per_second": 0.0, "p95_ms": 0.0, "units_sold": 0}
+            second, {"users": 0, "requests": 0, "p95_ms": 0.0, "units_sold": 0}
         )
         sample["users"] = int(row["User Count"] or 0)
         if row["Type"] in HTTP_TYPES:
-            sample["requests_per_second"] += float(row["Requests/s"] or 0)
+            sample["requests"] += int(row["Total Request Count"] or 0)
             if row["Name"] == "checkout":
                 sample["p95_ms"] = _number(row["95%"]) or 0.0
         elif row["Type"] == "UNITS":
@@ -863,13 +929,17 @@ def _history(path: Path, qty: int) -> list[dict[str, float]]:
     first = min(samples)
     history = []
     units: float = 0
+    previous: tuple[int, float] | None = None
     for second in sorted(samples):
         units = max(units, samples[second]["units_sold"])
+        requests = samples[second]["requests"]
+        rate = (requests - previous[1]) / (second - previous[0]) if previous else 0.0
+        previous = (second, requests)
         history.append(
             {
                 "t": second - first,
                 "users": samples[second]["users"],
-                "requests_per_second": round(samples[second]["requests_per_second"], 1),
+                "requests_per_second": round(rate, 1),
                 "p95_ms": samples[second]["p95_ms"],
                 "units_sold": units,
             }

@@ -49,6 +49,16 @@ def test_a_sized_sale_sells_through_its_window_then_sells_out(tmp_path):
     assert window["held"] and window["seconds"] == 2.0, window
     assert 0 < window["units"] < lua.initial_stock
     assert lua.goodput == window["units_per_second"] > 0
+    # and its requests/s were counted over that window too, Locust's whole-run figure beside it
+    http = lua.audit["http"]
+    assert (http["from"], http["to"]) == (window["starts_at"], window["ends_at"])
+    assert lua.requests_per_second == http["requests_per_second"] > 0
+    assert http["whole_run_requests_per_second"] > 0
+    # and the baseline's from once its crowd was in, the span of its CPU per request
+    baseline = runs["baseline"]
+    steady = baseline.audit["http"]
+    assert baseline.requests_per_second == steady["requests_per_second"] > 0
+    assert baseline.audit["cpu"]["seconds"] == pytest.approx(steady["to"] - steady["from"])
     # and then it sold out: every unit accepted, none oversold, none left, no update lost
     assert lua.sold_out_after_seconds > window["starts_after_first_order"] + window["seconds"]
     assert lua.accepted_units == lua.initial_stock and lua.oversold == 0 and lua.remaining == 0
