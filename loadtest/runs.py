@@ -857,16 +857,18 @@ def _http_counts(path: Path) -> list[tuple[int, int, int]]:
     """(Unix second, HTTP requests so far, failures so far) at each row of a run's Locust
     history, oldest first: every HTTP entry summed (the locustfile's UNITS and LOCK entries are
     not requests). Empty before Locust wrote any."""
-    counts: dict[int, tuple[int, int]] = {}
+    entries: dict[int, dict[tuple[str, str], tuple[int, int]]] = {}
     for row in _rows(path) if path.exists() else []:
         if row["Type"] in HTTP_TYPES:
-            second = int(row["Timestamp"])
-            requests, failures = counts.get(second, (0, 0))
-            counts[second] = (
-                requests + int(row["Total Request Count"] or 0),
-                failures + int(row["Total Failure Count"] or 0),
+            # An entry written twice in one second (a last row as Locust stops) counts once.
+            entries.setdefault(int(row["Timestamp"]), {})[(row["Type"], row["Name"])] = (
+                int(row["Total Request Count"] or 0),
+                int(row["Total Failure Count"] or 0),
             )
-    return [(second, *counts[second]) for second in sorted(counts)]
+    return [
+        (second, sum(r for r, _ in counts.values()), sum(f for _, f in counts.values()))
+        for second, counts in sorted(entries.items())
+    ]
 
 
 def http_totals(path: Path) -> list[tuple[int, int]]:
@@ -914,14 +916,10 @@ def _history(path: Path, qty: int) -> list[dict[str, float]]:
     samples: dict[int, dict[str, float]] = {}
     for row in _rows(path):
         second = int(row["Timestamp"])
-        sample = samples.setdefault(
-            second, {"users": 0, "requests": 0, "p95_ms": 0.0, "units_sold": 0}
-        )
+        sample = samples.setdefault(second, {"users": 0, "p95_ms": 0.0, "units_sold": 0})
         sample["users"] = int(row["User Count"] or 0)
-        if row["Type"] in HTTP_TYPES:
-            sample["requests"] += int(row["Total Request Count"] or 0)
-            if row["Name"] == "checkout":
-                sample["p95_ms"] = _number(row["95%"]) or 0.0
+        if row["Type"] in HTTP_TYPES and row["Name"] == "checkout":
+            sample["p95_ms"] = _number(row["95%"]) or 0.0
         elif row["Type"] == "UNITS":
             sample["units_sold"] = int(row["Total Request Count"] or 0)
     if not samples:
@@ -929,12 +927,15 @@ def _history(path: Path, qty: int) -> list[dict[str, float]]:
     first = min(samples)
     history = []
     units: float = 0
-    previous: tuple[int, float] | None = None
+    requests = dict(http_totals(path))
+    previous: tuple[int, int] | None = None
     for second in sorted(samples):
         units = max(units, samples[second]["units_sold"])
-        requests = samples[second]["requests"]
-        rate = (requests - previous[1]) / (second - previous[0]) if previous else 0.0
-        previous = (second, requests)
+        rate = 0.0
+        if second in requests:
+            if previous:
+                rate = (requests[second] - previous[1]) / (second - previous[0])
+            previous = (second, requests[second])
         history.append(
             {
                 "t": second - first,

@@ -68,6 +68,20 @@ def test_requests_between_two_moments_are_read_off_the_running_http_count(tmp_pa
     assert requests_between([(1000, 5)], 1000, 1000) is None
 
 
+def test_an_entry_written_twice_in_one_second_counts_once(tmp_path):
+    history = _history_file(
+        tmp_path / "h.csv",
+        [
+            "1000,40,POST,checkout,1.0,0,20,0,0",
+            "1001,40,POST,checkout,1.0,0,20,900,0",
+            "1001,40,GET,item,1.0,0,20,100,0",
+            "1001,40,POST,checkout,1.0,0,20,950,1",  # its last row, as Locust stopped
+        ],
+    )
+
+    assert http_totals(history) == [(1000, 0), (1001, 1050)]
+
+
 def test_the_history_s_rate_each_second_is_the_requests_of_that_second(tmp_path):
     history = _crowd(tmp_path / "h.csv", [0, 200, 800, 1800])
 
