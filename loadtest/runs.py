@@ -853,12 +853,12 @@ def _read_stats(run: SaleRun, prefix: Path, qty: int, exit_code: int) -> None:
         ) from exc
 
 
-def _http_counts(path: Path) -> list[tuple[int, int, int]]:
-    """(Unix second, HTTP requests so far, failures so far) at each row of a run's Locust
-    history, oldest first: every HTTP entry summed (the locustfile's UNITS and LOCK entries are
-    not requests). Empty before Locust wrote any."""
+def _http_counts(rows: list[dict[str, str]]) -> list[tuple[int, int, int]]:
+    """(Unix second, HTTP requests so far, failures so far) at each of the rows of a run's
+    Locust history, oldest first: every HTTP entry summed (the locustfile's UNITS and LOCK
+    entries are not requests). Empty before Locust wrote any."""
     entries: dict[int, dict[tuple[str, str], tuple[int, int]]] = {}
-    for row in _rows(path) if path.exists() else []:
+    for row in rows:
         if row["Type"] in HTTP_TYPES:
             # An entry written twice in one second (a last row as Locust stops) counts once.
             entries.setdefault(int(row["Timestamp"]), {})[(row["Type"], row["Name"])] = (
@@ -873,7 +873,8 @@ def _http_counts(path: Path) -> list[tuple[int, int, int]]:
 
 def http_totals(path: Path) -> list[tuple[int, int]]:
     """(Unix second, HTTP requests so far) at each row of a run's Locust history."""
-    return [(second, requests) for second, requests, _ in _http_counts(path)]
+    rows = _rows(path) if path.exists() else []
+    return [(second, requests) for second, requests, _ in _http_counts(rows)]
 
 
 def requests_between(totals: list[tuple[int, int]], start: float, end: float) -> float | None:
@@ -900,7 +901,7 @@ def requests_between(totals: list[tuple[int, int]], start: float, end: float) ->
 def latest_rates(path: Path) -> tuple[float, int]:
     """HTTP requests/s over the latest second of a run's Locust history, and its failures so
     far (0, 0 before Locust wrote any)."""
-    counts = _http_counts(path)
+    counts = _http_counts(_rows(path) if path.exists() else [])
     if not counts:
         return 0.0, 0
     rate = 0.0
@@ -913,8 +914,9 @@ def latest_rates(path: Path) -> tuple[float, int]:
 def _history(path: Path, qty: int) -> list[dict[str, float]]:
     """One sample a second: users, HTTP requests/s (over the second before the sample),
     checkout p95, units sold so far."""
+    rows = _rows(path)
     samples: dict[int, dict[str, float]] = {}
-    for row in _rows(path):
+    for row in rows:
         second = int(row["Timestamp"])
         sample = samples.setdefault(second, {"users": 0, "p95_ms": 0.0, "units_sold": 0})
         sample["users"] = int(row["User Count"] or 0)
@@ -927,7 +929,7 @@ def _history(path: Path, qty: int) -> list[dict[str, float]]:
     first = min(samples)
     history = []
     units: float = 0
-    requests = dict(http_totals(path))
+    requests = {second: count for second, count, _ in _http_counts(rows)}
     previous: tuple[int, int] | None = None
     for second in sorted(samples):
         units = max(units, samples[second]["units_sold"])
