@@ -357,10 +357,16 @@ def sell_batch(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _after_refusal(
-    sqlstate: str | None, message: str, requests: list[dict[str, Any]], at: datetime, wait: str
+    sqlstate: str | None,
+    message: str,
+    requests: list[dict[str, Any]],
+    at: datetime,
+    wait: str,
+    database: Any = None,
 ) -> list[dict[str, Any]] | None:
     """When the set-based statement failed with `sqlstate`: the batch written again a request
-    at a time if it was refused, RowLockTimeout if a row stayed locked, None for any other
+    at a time (on `database`, the connection the statement ran on; the thread's default one
+    when None) if it was refused, RowLockTimeout if a row stayed locked, None for any other
     error (the caller's to raise)."""
     if sqlstate == LOCK_NOT_AVAILABLE_SQLSTATE:
         raise RowLockTimeout(message)
@@ -369,7 +375,7 @@ def _after_refusal(
     # A lock holder's request (fenced, answered its levels) is answered `again`: its holder
     # writes it on its own (`sell`), which tells a short row from a refused token.
     others = [request for request in requests if not request.get("levels")]
-    answers = iter(_sell_one_by_one(others, at, wait) if others else [])
+    answers = iter(_sell_one_by_one(others, at, wait, database) if others else [])
     return [{"o": "again"} if request.get("levels") else next(answers) for request in requests]
 
 
@@ -403,22 +409,47 @@ def _sold(
     return answers
 
 
-def _sell_one_by_one(requests: list[dict[str, Any]], at: datetime, wait: str) -> list[dict]:
+def _sell_one_by_one(
+    requests: list[dict[str, Any]], at: datetime, wait: str, database: Any = None
+) -> list[dict]:
     """The batch written a request at a time (`inventory_sell_batch`), each with its own
-    answer: after the set-based statement refused it whole."""
+    answer: after the set-based statement refused it whole. Its locks are taken in the set-based
+    statement's order: every stock row first, by (sale, index), then the requests by (sale,
+    buyer), so that a batch in flight beside it never waits for it while it waits for that."""
+    order = sorted(range(len(requests)), key=lambda i: (requests[i]["sale"], requests[i]["buyer"]))
+    parameters = _batch_parameters([requests[i] for i in order], at, wait)
     try:
-        with prepared_cursor() as cursor:
-            cursor.execute(
-                "SELECT n, order_id, outcome FROM inventory_sell_batch(%s::jsonb, %s, %s)",
-                [json.dumps(requests, separators=(",", ":")), at, wait],
-            )
+        with prepared_cursor(database) as cursor:
+            cursor.execute(_ONE_BY_ONE_SQL, parameters)
             rows = cursor.fetchall()
     except DatabaseError as exc:
         if getattr(exc.__cause__, "sqlstate", None) == LOCK_NOT_AVAILABLE_SQLSTATE:
             raise RowLockTimeout(str(exc.__cause__)) from None
         raise
     stamp = at.isoformat()
-    return [{"o": outcome, "id": order_id, "at": stamp} for _, order_id, outcome in rows]
+    answers: list[dict] = [{}] * len(requests)
+    for n, order_id, outcome in rows:
+        answers[order[n - 1]] = {"o": outcome, "id": order_id, "at": stamp}
+    return answers
+
+
+# `inventory_sell_batch` locks each request's rows as it writes it; the stock rows of the whole
+# batch are locked first here, in lock order (the uncorrelated condition on `locked` is checked
+# once, before the function runs), after the lock wait is bounded as the function bounds it.
+_ONE_BY_ONE_SQL = f"""
+WITH bound AS MATERIALIZED (SELECT set_config('lock_timeout', %(wait)s::text, true)),
+locked AS MATERIALIZED (
+    SELECT row.id
+    FROM {StockShard._meta.db_table} row
+    JOIN unnest(%(sales)s::bigint[], %(indexes)s::integer[]) AS needed (sale, index)
+      ON row.sale_id = needed.sale AND row.index = needed.index
+    WHERE row.sale_id = ANY(%(sales)s::bigint[]) AND EXISTS (SELECT 1 FROM bound)
+    ORDER BY row.sale_id, row.index
+    FOR NO KEY UPDATE OF row
+)
+SELECT n, order_id, outcome FROM inventory_sell_batch(%(batch)s::jsonb, %(at)s, %(wait)s)
+WHERE (SELECT count(*) FROM locked) >= 0
+"""
 
 
 #: What makes the set-based statement refuse a whole batch: a row short or a sale restarted
@@ -469,7 +500,10 @@ def _batch_parameters(requests: list[dict[str, Any]], at: datetime, wait: str) -
 # current, is not taken: the count check at the end (`inventory_all_or_nothing(taken + 1,
 # needed + 1)`, which raises FS001 unless the two are equal) aborts the statement, as does a
 # taken idempotency key (unique violation) or an allowance past its limit (check violation),
-# and nothing of the batch is written.
+# and nothing of the batch is written. Two batches may be in flight at once (the sale writer's
+# connections): each takes its locks in one order, the stock rows by (sale, index), then the
+# buyers' allowances by (sale, buyer), then the orders' idempotency keys by key, so that one
+# may wait for the other's commit but never both for each other.
 _BATCH_SQL = f"""
 WITH bound AS MATERIALIZED (SELECT set_config('lock_timeout', %(wait)s::text, true)),
 needed AS (
@@ -512,6 +546,7 @@ allowance AS (
     SELECT item, sale, buyer, sum(qty), min("limit")
     FROM request WHERE "limit" IS NOT NULL
     GROUP BY item, sale, buyer
+    ORDER BY sale, buyer
     ON CONFLICT (sale_id, buyer)
     DO UPDATE SET units = {BuyerAllowance._meta.db_table}.units + EXCLUDED.units
 ),
@@ -523,6 +558,7 @@ placed AS (
     SELECT public_id, item, sale, buyer, qty, 'pending', key, served_by, fallback, rows,
            %(at)s::timestamptz, %(at)s::timestamptz
     FROM request
+    ORDER BY key
     RETURNING public_id, id
 )
 SELECT public_id::text, id,
@@ -571,12 +607,14 @@ class BatchInFlight:
     (the statement would not commit).
     """
 
-    def __init__(self, requests: list[dict[str, Any]]) -> None:
+    def __init__(self, requests: list[dict[str, Any]], database: Any = None) -> None:
         self.requests = requests
         self.at = timezone.now()
         self._wait = _row_lock_wait()
         self._results: list[psycopg.pq.abc.PGresult] = []
-        self._wrapper = wrapper = connections[DEFAULT_DB_ALIAS]
+        #: The connection (a Django database wrapper) it is sent on: the thread's default one
+        #: unless named.
+        self.database = wrapper = database or connections[DEFAULT_DB_ALIAS]
         wrapper.close_if_health_check_failed()
         wrapper.ensure_connection()
         if wrapper.in_atomic_block:
@@ -603,7 +641,7 @@ class BatchInFlight:
         """Read what the server has sent; True once the statement is over (committed, or
         failed and rolled back). Never blocks. Raises DatabaseError when the connection
         fails (the statement may or may not have committed)."""
-        with self._wrapper.wrap_database_errors:
+        with self.database.wrap_database_errors:
             self._pgconn.consume_input()
             while not self._pgconn.is_busy():
                 result = self._pgconn.get_result()
@@ -628,7 +666,9 @@ class BatchInFlight:
         raw_state = error.error_field(psycopg.pq.DiagnosticField.SQLSTATE)
         sqlstate = raw_state.decode() if raw_state else None
         message = error.get_error_message()
-        answers = _after_refusal(sqlstate, message, self.requests, self.at, self._wait)
+        answers = _after_refusal(
+            sqlstate, message, self.requests, self.at, self._wait, self.database
+        )
         if answers is None:
             raise DatabaseError(f"the batch statement failed ({sqlstate}): {message}")
         return answers
@@ -738,7 +778,7 @@ class _PreparingCursor(psycopg.Cursor):
         return super().execute(query, params, prepare=prepare, binary=binary)
 
 
-def prepared_cursor() -> Any:
+def prepared_cursor(database: Any = None) -> Any:
     """A Django cursor (error wrapping, debug log, execute wrappers) that prepares statements.
 
     For the statements every checkout runs (reading the item, the sale statement): prepared
@@ -746,8 +786,10 @@ def prepared_cursor() -> Any:
     costs it. Django keeps prepared statements off by default for the sake of
     poolers in transaction mode: with `DJANGO_DB_PREPARED_STATEMENTS=false` the connection has
     no `prepare_threshold` and psycopg ignores `prepare=True`, so the same code runs unprepared.
+    On `database` (a Django database wrapper) when given, else the thread's default connection.
     """
-    wrapper = connections[DEFAULT_DB_ALIAS]  # once: each `connection.x` is a thread-local lookup
+    # once: each `connection.x` is a thread-local lookup
+    wrapper = database or connections[DEFAULT_DB_ALIAS]
     # What Django's own cursor() does first: a connection the server closed while idle
     # (restart, failover, idle timeout) is replaced before use, not found dead mid-checkout.
     wrapper.close_if_health_check_failed()

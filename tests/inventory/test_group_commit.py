@@ -5,10 +5,11 @@ or stranded, and a taker that is never written gets its units back."""
 from __future__ import annotations
 
 import json
+import select
 import uuid
 
 import pytest
-from django.db import connection
+from django.db import DEFAULT_DB_ALIAS, connection, connections
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -230,9 +231,48 @@ def test_a_refused_request_sends_the_batch_a_request_at_a_time_and_nothing_twice
         )
 
     # Then the set-based statement wrote nothing and the per-request function answered each
-    assert [query["sql"].lstrip()[:4] for query in captured] == ["WITH", "SELE"]
+    assert [query["sql"].lstrip()[:4] for query in captured] == ["WITH", "WITH"]
     assert "inventory_sell_batch" in captured[1]["sql"]
+    # (the batch's stock rows locked first, in lock order, as the set-based statement does)
+    assert "FOR NO KEY UPDATE" in captured[1]["sql"]
     assert [answer["o"] for answer in answers] == ["sold", "short", "sold"]
+    assert Order.objects.filter(item=item).count() == 2
+    levels = stock.shard_stocks(item.current_sale_id)
+    assert [levels[index] for index in range(3)] == [0, 1, 0]
+
+
+def test_a_refused_batch_in_flight_is_written_again_on_its_own_connection():
+    # Given a lua sale of 10 units, one per stripe, and a second connection, as the sale
+    # writer's
+    start_sale(sku="mixed", stock=10, strategy="lua")
+    item = Item.objects.get(sku="mixed")
+    other = connections.create_connection(DEFAULT_DB_ALIAS)
+    try:
+        # When a batch sent on it holds one sale its stripe cannot serve
+        with (
+            CaptureQueriesContext(connection) as on_default,
+            CaptureQueriesContext(other) as on_other,
+        ):
+            batch = stock.BatchInFlight(
+                [
+                    _request(item, rows={"0": 1}),
+                    _request(item, rows={"1": 2}, qty=2),
+                    _request(item, buyer="bob", rows={"2": 1}),
+                ],
+                other,
+            )
+            while not batch.poll():
+                select.select([batch.socket], [], [], 1)
+            answers = batch.answers()
+
+        # Then it is written again a request at a time on that connection, not the default one
+        # (which may carry a statement of its own in flight)
+        assert len(on_default) == 0
+        assert [query["sql"].lstrip()[:4] for query in on_other] == ["WITH"]
+        assert "inventory_sell_batch" in on_other[0]["sql"]
+        assert [answer["o"] for answer in answers] == ["sold", "short", "sold"]
+    finally:
+        other.close()
     assert Order.objects.filter(item=item).count() == 2
     levels = stock.shard_stocks(item.current_sale_id)
     assert [levels[index] for index in range(3)] == [0, 1, 0]
