@@ -23,7 +23,9 @@ tells it which.
 
 The statement is sent without waiting for it (`stock.BatchInFlight`): while PostgreSQL writes
 and commits one batch, the writer reads and takes the next, and sends it as soon as the first is
-answered, so that the take is off the path a sale waits on. With no statement in flight it takes
+answered, so that the take is off the path a sale waits on; with FLASHSALE_SALE_WRITER_CONNECTIONS
+above 1, at once on a connection with no statement in flight (where each statement's round trip
+is long: a database across a network). With no statement in flight it takes
 what has arrived at once; with one in flight, once every buyer its last answer reached has sent
 again (they come back a few hundred microseconds apart, each with its own work to do first), or
 FLASHSALE_SALE_WRITER_LINGER_US after the first of them did: buyers answered together stay
@@ -62,7 +64,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
-from django.db import close_old_connections, connection
+from django.db import DEFAULT_DB_ALIAS, close_old_connections, connection, connections
 from redis.exceptions import ResponseError
 
 from locking import release_each_call, scripts
@@ -316,8 +318,11 @@ class SaleWriter:
         #: sending to its answer (wall), and the writer's own part of that (CPU).
         self.take_seconds = self.take_cpu = 0.0
         self.commit_seconds = self.commit_cpu = 0.0
-        #: The PostgreSQL backend of the writer's connection.
-        self.backend_pid: int | None = None
+        #: The PostgreSQL backends of the writer's connections (FLASHSALE_SALE_WRITER_CONNECTIONS),
+        #: the first that of the thread's own.
+        self.backend_pids: list[int | None] = []
+        #: The most statements it has had in flight at once.
+        self.most_in_flight = 0
         #: How long to wait for the buyers of the last batch, or for a second request beside a
         #: lone one (FLASHSALE_SALE_WRITER_LINGER_US); shorter when a lock holder's sale is
         #: among them (FLASHSALE_SALE_WRITER_HOLDER_LINGER_US).
@@ -333,17 +338,31 @@ class SaleWriter:
         self._pending_since = 0.0
         #: Sales taken (their units are out of Redis) and not sent yet.
         self._taken: list[_Sale] = []
-        #: The batch whose statement is in flight, and when it was sent.
-        self._writing: tuple[stock.BatchInFlight, list[_Sale], float] | None = None
+        #: The batches whose statements are in flight, each with when it was sent: one at most
+        #: per connection.
+        self._writing: list[tuple[stock.BatchInFlight, list[_Sale], float]] = []
+        #: Its database connections: the thread's own, and others made in `serve_forever`.
+        self._databases: list[Any] = []
+        self.connections = settings.FLASHSALE_SALE_WRITER_CONNECTIONS
+
+    @property
+    def backend_pid(self) -> int | None:
+        """The PostgreSQL backend of the writer's first connection."""
+        return self.backend_pids[0] if self.backend_pids else None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def serve_forever(self, ready: Callable[[], None] | None = None) -> None:
         listener = self._listen()
         try:
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT pg_backend_pid()")
-                self.backend_pid = cursor.fetchone()[0]
+            # Made in the thread that uses them (Django checks that a connection stays there).
+            self._databases = [connections[DEFAULT_DB_ALIAS]] + [
+                connections.create_connection(DEFAULT_DB_ALIAS) for _ in range(self.connections - 1)
+            ]
+            for database in self._databases:
+                with database.cursor() as cursor:
+                    cursor.execute("SELECT pg_backend_pid()")
+                    self.backend_pids.append(cursor.fetchone()[0])
             logger.debug("sale writer listening on %s", self.path)
             if ready is not None:
                 ready()
@@ -358,7 +377,8 @@ class SaleWriter:
                 self._close(conn)
             self._selector.close()
             listener.close()
-            connection.close()
+            for database in self._databases or [connection]:
+                database.close()
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
@@ -368,9 +388,10 @@ class SaleWriter:
         self._stopping.set()
 
     def _turn(self, listener: socket.socket) -> None:
-        """Wait for something to do (a request, a connection, the statement's answer, the end
-        of a linger), then do what is due: answer the batch whose statement is over (sending
-        the next one first), take the requests whose turn it is, send what was taken."""
+        """Wait for something to do (a request, a connection, a statement's answer, the end
+        of a linger), then do what is due: answer each batch whose statement is over (sending
+        the next one first), take the requests whose turn it is, send what was taken on the
+        connections that have no statement in flight."""
         for key, _ in self._selector.select(timeout=self._timeout()):
             if key.fileobj is listener:
                 self._accept(listener)
@@ -378,30 +399,30 @@ class SaleWriter:
                 if not self._pending:
                     self._pending_since = time.monotonic()
                 self._pending += self._read(key.data)
-        if self._writing is not None:
-            self._poll()
+        for writing in list(self._writing):
+            self._poll(writing)
         if self._pending and self._due():
             self._take()
-        if self._writing is None and self._taken:
-            self._send()
+        self._send_what_fits()
 
     def _drain(self) -> None:
         """On stop: answer the batch in flight, and take and write what has been read."""
         if self._pending:
             self._take()
-        while self._writing is not None or self._taken:
-            if self._writing is None:
-                self._send()
-                continue
-            select.select([self._writing[0].socket], [], [], 0.1)
-            self._poll()
+        while self._writing or self._taken:
+            self._send_what_fits()
+            if not self._writing:
+                continue  # nothing could be sent: its buyers were answered
+            select.select([batch.socket for batch, _, _ in self._writing], [], [], 0.1)
+            for writing in list(self._writing):
+                self._poll(writing)
 
     def _timeout(self) -> float:
         """How long the next wait may last: until the linger of a group of pending requests
         (or of a lone request) ends, else half a second (to notice `stop()`)."""
-        if len(self._pending) == 1 and self._writing is None:
+        if len(self._pending) == 1 and not self._writing:
             return max(0.0, self._pending_since + self._linger() - time.monotonic())
-        if len(self._pending) < 2 or self._writing is None:
+        if len(self._pending) < 2 or not self._writing:
             return 0.5
         linger = self._linger()
         deadlines = [
@@ -435,7 +456,7 @@ class SaleWriter:
         linger = self._linger()
         if not linger:
             return True
-        if self._writing is None:
+        if not self._writing:
             # A lone request waits a moment for company (the next checkout is often on
             # its way); two or more go at once: the database waits.
             return len(self._pending) > 1 or time.monotonic() >= self._pending_since + linger
@@ -533,6 +554,8 @@ class SaleWriter:
         return {
             "pid": os.getpid(),
             "backend_pid": self.backend_pid,
+            "backend_pids": self.backend_pids,
+            "most_in_flight": self.most_in_flight,
             "sales": self.sales,
             "batches": self.batches,
             "handed": self.handed,
@@ -601,8 +624,18 @@ class SaleWriter:
                 rows = {str(index): units for index, units in result.items()}
                 self._taken.append(_Sale(conn, {**request["sale"], "rows": rows}))
 
-    def _send(self) -> None:
-        """Send the statement of (up to a batch of) the taken sales, without waiting for it."""
+    def _send_what_fits(self) -> None:
+        """Send what was taken, a batch on each connection with no statement in flight."""
+        while self._taken:
+            busy = [batch.database for batch, _, _ in self._writing]
+            free = [database for database in self._databases if database not in busy]
+            if not free:
+                return
+            self._send(free[0])
+
+    def _send(self, database: Any) -> None:
+        """Send the statement of (up to a batch of) the taken sales on `database`, without
+        waiting for it."""
         sales, self._taken = self._taken[: self.batch], self._taken[self.batch :]
         # Batches lock rows in one order (lowest first), so that two writers on one database
         # do not deadlock.
@@ -610,23 +643,24 @@ class SaleWriter:
         started = time.perf_counter()
         cpu0 = time.thread_time()
         try:
-            batch = stock.BatchInFlight([sale.request for sale in sales])
+            batch = stock.BatchInFlight([sale.request for sale in sales], database)
         except Exception:
             logger.exception("sale writer: a batch of %d sales could not be sent", len(sales))
-            self._reset_connection()
+            self._reset_connection(database)
             self._answer_batch(sales, [{"o": "failed"}] * len(sales))
             return
         finally:
             self.commit_cpu += time.thread_time() - cpu0
-        self.backend_pid = batch.backend_pid  # a new one after a lost connection
+        # A new backend after a lost connection.
+        self.backend_pids[self._databases.index(database)] = batch.backend_pid
         self._selector.register(batch.socket, selectors.EVENT_READ, None)
-        self._writing = (batch, sales, started)
+        self._writing.append((batch, sales, started))
+        self.most_in_flight = max(self.most_in_flight, len(self._writing))
 
-    def _poll(self) -> None:
-        """Read the statement's answer; once it is over, send the next batch, then answer
+    def _poll(self, writing: tuple[stock.BatchInFlight, list[_Sale], float]) -> None:
+        """Read a statement's answer; once it is over, send the next batch, then answer
         this one's buyers."""
-        assert self._writing is not None
-        batch, sales, started = self._writing
+        batch, sales, started = writing
         cpu0 = time.thread_time()
         try:
             if not batch.poll():
@@ -640,14 +674,13 @@ class SaleWriter:
             logger.exception("sale writer: a batch of %d sales failed", len(sales))
             answers = [{"o": "failed"}] * len(sales)
             self._unregister(batch.socket)
-            self._reset_connection()
+            self._reset_connection(batch.database)
         finally:
             self.commit_cpu += time.thread_time() - cpu0
         self.commit_seconds += time.perf_counter() - started
-        self._writing = None
+        self._writing.remove(writing)
         self._unregister(batch.socket)
-        if self._taken:
-            self._send()  # the database's turn again before the buyers' (they can wait)
+        self._send_what_fits()  # the database's turn again before the buyers' (they can wait)
         cpu0 = time.thread_time()
         released = self._release(sales, answers)
         self._answer_batch(sales, answers, released)
@@ -710,10 +743,10 @@ class SaleWriter:
         except (KeyError, ValueError):
             pass
 
-    def _reset_connection(self) -> None:
+    def _reset_connection(self, database: Any) -> None:
         close_old_connections()
-        if connection.connection is not None and not connection.is_usable():
-            connection.close()
+        if database.connection is not None and not database.is_usable():
+            database.close()
 
     def _hand_over(self, order_pks: list[int]) -> bool:
         """Committed orders to the order workers (`publishing.hand_over`, through the writer's

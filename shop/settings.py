@@ -246,6 +246,17 @@ for _wait in ("FLASHSALE_SALE_WRITER_LINGER_US", "FLASHSALE_SALE_WRITER_HOLDER_L
         raise ImproperlyConfigured(
             f"{_wait} must be from 0 to 100000 (0.1 s), not {globals()[_wait]}"
         )
+# How many statements the sale writer may keep in flight at once, each on a database connection
+# of its own: while one batch is written and committed, the next is sent on another instead of
+# waiting for it. One here, where PostgreSQL is on the same host and a second sold no faster;
+# more where each statement's round trip is long (a database across a network). Batches take
+# their locks in one order, so two in flight never deadlock.
+FLASHSALE_SALE_WRITER_CONNECTIONS = env.int("FLASHSALE_SALE_WRITER_CONNECTIONS", default=1)
+if not 1 <= FLASHSALE_SALE_WRITER_CONNECTIONS <= 8:
+    raise ImproperlyConfigured(
+        "FLASHSALE_SALE_WRITER_CONNECTIONS must be from 1 to 8, not "
+        f"{FLASHSALE_SALE_WRITER_CONNECTIONS}"
+    )
 # The niceness the sale writer runs at (-20 to 19; lower runs first): every `lua` and `segmented`
 # sale waits on its one thread, and on 2 cores a woken writer otherwise queues behind web
 # workers for a CPU. Lowering it needs root, CAP_SYS_NICE or an RLIMIT_NICE of 20 - it (compose

@@ -106,13 +106,13 @@ class _Writer:
         """Count its CPU, its backend's and its stats from now on (the warm-up's are not)."""
         self.stats = self._stats()
         self.cpu = process_cpu_seconds(self.process.pid) or 0.0
-        self.backend_cpu = process_cpu_seconds(self.stats["backend_pid"]) or 0.0
+        self.backend_cpu = _backends_cpu(self.stats)
         self.scheduled = self._scheduled(self.stats)
 
     def _scheduled(self, stats: dict[str, Any]) -> dict[str, tuple[float, float] | None]:
         return {
             "writer": scheduled_seconds(self.process.pid),
-            "its backend": scheduled_seconds(stats["backend_pid"]),
+            "its backends": _backends_scheduled(stats),
         }
 
     def _stats(self) -> dict[str, Any]:
@@ -129,14 +129,14 @@ class _Writer:
         """(its CPU seconds, its backend's, its stats) since the last mark; then stop it."""
         stats = self._stats()
         cpu = (process_cpu_seconds(self.process.pid) or 0.0) - self.cpu
-        backend = (process_cpu_seconds(stats["backend_pid"]) or 0.0) - self.backend_cpu
+        backend = _backends_cpu(stats) - self.backend_cpu
         scheduled = self._scheduled(stats)
         stats = {
             name: value - self.stats[name] if name in _COUNTED else value
             for name, value in stats.items()
         }
         # A new backend (after a lost connection) has no earlier reading to count from.
-        same_backend = stats["backend_pid"] == self.stats["backend_pid"]
+        same_backend = _pids(stats) == _pids(self.stats)
         stats["scheduled"] = {
             role: (now[0] - before[0], now[1] - before[1])
             for role, now in scheduled.items()
@@ -150,6 +150,26 @@ class _Writer:
             self.process.kill()
             self.process.join()
         return cpu, backend, stats
+
+
+def _pids(stats: dict[str, Any]) -> list[int]:
+    """The PostgreSQL backends of the writer's connections."""
+    return [pid for pid in stats.get("backend_pids") or [stats["backend_pid"]] if pid]
+
+
+def _backends_cpu(stats: dict[str, Any]) -> float:
+    return sum(process_cpu_seconds(pid) or 0.0 for pid in _pids(stats))
+
+
+def _backends_scheduled(stats: dict[str, Any]) -> tuple[float, float] | None:
+    """(on a CPU, waiting for one) of the writer's backends together; None when unreadable."""
+    readings = [scheduled_seconds(pid) for pid in _pids(stats)]
+    if not readings or any(reading is None for reading in readings):
+        return None
+    return (
+        sum(reading[0] for reading in readings if reading is not None),
+        sum(reading[1] for reading in readings if reading is not None),
+    )
 
 
 #: The writer's stats that count up (the rest name its process).
@@ -184,7 +204,9 @@ def _writer_summary(stats: dict[str, Any], cpu: float, seconds: float) -> str:
         f"{per_batch(stats['take_seconds'])} ({per_batch(stats['take_cpu_seconds'])} CPU), "
         f"statement {per_batch(stats['commit_seconds'])} "
         f"({per_batch(stats['commit_cpu_seconds'])} CPU); "
-        f"its CPU per sale {1000 * cpu / max(stats['sales'], 1):.2f} ms"
+        f"its CPU per sale {1000 * cpu / max(stats['sales'], 1):.2f} ms; "
+        f"statements in flight at once, at most: {stats.get('most_in_flight', 1)} "
+        f"of {len(_pids(stats))} connections"
     )
     if stats.get("released"):
         summary += f"; holders' locks released with their commits: {stats['released']}"

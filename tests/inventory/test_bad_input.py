@@ -195,6 +195,8 @@ def test_sale_command_refuses_bad_arguments_and_changes_nothing(item, args):
         ("FLASHSALE_SALE_WRITER_NICE", "-21", "must be from -20 to 19, not -21"),
         ("FLASHSALE_SALE_WRITER_NICE", "20", "must be from -20 to 19, not 20"),
         ("FLASHSALE_SALE_WRITER_LINGER_US", "-1", "must be from 0 to 100000 (0.1 s), not -1"),
+        ("FLASHSALE_SALE_WRITER_CONNECTIONS", "0", "must be from 1 to 8, not 0"),
+        ("FLASHSALE_SALE_WRITER_CONNECTIONS", "9", "must be from 1 to 8, not 9"),
         ("FLASHSALE_ITEM_PAGE_MS", "-1", "must be from 0 to 60000 (a minute), not -1"),
         ("FLASHSALE_ITEM_PAGE_MS", "x", "FLASHSALE_ITEM_PAGE_MS"),
         (

@@ -1,6 +1,8 @@
-"""The sale writer keeps one batch's statement in flight while it takes the next: a buyer is
-answered only once its order row is committed, a writer stopped mid-statement answers before it
-exits, and a connection lost mid-statement costs its batch a `busy`, not the writer its life."""
+"""The sale writer keeps a batch's statement in flight while it takes the next, and sends that
+one beside it on a connection of its own (FLASHSALE_SALE_WRITER_CONNECTIONS): a buyer is
+answered only once its order row is committed, batches in flight together never wait for each
+other, a writer stopped mid-statement answers before it exits, and a connection lost
+mid-statement costs its batch a `busy`, not the writer its life."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import psycopg
 import pytest
 from django.db import connection
 
-from inventory.exceptions import Busy
+from inventory.exceptions import Busy, LimitReached, SoldOut
 from inventory.models import Item, Order
 from inventory.selectors import audit_sale
 from inventory.services import place_order, start_sale
@@ -195,3 +197,121 @@ def test_a_lone_lock_holders_sale_waits_only_the_linger(settings):
         assert writer.sales == 1 and writer.batches == 1
     audit = audit_sale("widget")
     assert audit["db_stock"] == 9 and audit["oversold"] == 0 and audit["consistent"], audit
+
+
+def _backends_waiting_for_a_lock() -> set[int]:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
+        return {pid for (pid,) in cursor.fetchall()}
+
+
+@pytest.mark.parametrize("connections", [2, 1])
+def test_a_batch_is_sent_beside_the_one_in_flight_while_a_connection_is_free(settings, connections):
+    # Given a writer with this many database connections, and a lua sale of 10 widgets
+    settings.FLASHSALE_SALE_WRITER_CONNECTIONS = connections
+    settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS = 20_000
+    start_sale(sku="widget", stock=10, strategy="lua")
+    item = Item.objects.get(sku="widget")
+    with serving() as writer:
+        settings.FLASHSALE_SALE_WRITER = writer.path
+        assert len(set(writer.backend_pids)) == connections
+        # and a checkout whose statement waits on the stock rows
+        with in_flight(item, "ann") as first:
+            # When two more buyers check out while it is in flight
+            others = [Checkout("widget", "bob"), Checkout("widget", "cat")]
+            for checkout in others:
+                checkout.start()
+            assert wait_until(lambda: plumbing.rows_total(item) == 7, timeout=10)
+
+            # Then with a second connection their batch is sent at once, and both statements
+            # wait on the rows, each on its own connection; with one, theirs waits its turn
+            assert wait_until(
+                lambda: (
+                    _backends_waiting_for_a_lock() & set(writer.backend_pids)
+                    == set(writer.backend_pids)
+                ),
+                timeout=10,
+            )
+            assert writer.most_in_flight == connections
+            assert all(checkout.is_alive() for checkout in [first, *others])
+            assert writer.sales == 0 and Order.objects.count() == 0
+        for checkout in [first, *others]:
+            checkout.join(20)
+
+    # and once the rows are free, all three are sold in two batches, each buyer answered with
+    # its order committed
+    for checkout in [first, *others]:
+        assert isinstance(checkout.outcome, Order), checkout.outcome
+        assert checkout.committed is True
+    assert writer.sales == 3 and writer.batches == 2
+    audit = audit_sale("widget")
+    assert audit["accepted_units"] == 3 and audit["db_stock"] == audit["redis_stock"] == 7, audit
+    assert audit["consistent"], audit
+
+
+BUYER_NAMES = [f"buyer-{n}" for n in range(15)]
+LIMIT = 2
+
+
+class LimitedBuyer(threading.Thread):
+    """Checks out for every buyer name in its own order, again and again, until a round of
+    them sells nothing and the sale's orders hold its stock (a unit refused to a buyer at its
+    limit goes back to the stock, so a `sold out` may come before the last unit is sold), or
+    for 50 rounds; keeps what each attempt ended in."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.seed = seed
+        self.outcomes: list[Any] = []
+
+    def run(self) -> None:
+        names = BUYER_NAMES[self.seed % 15 :] + BUYER_NAMES[: self.seed % 15]
+        try:
+            for _ in range(50):
+                sold = 0
+                for name in names:
+                    try:
+                        self.outcomes.append(place_order(sku="limited", qty=1, buyer=name).order)
+                        sold += 1
+                    except Exception as error:  # noqa: BLE001 - the outcome is what is checked
+                        self.outcomes.append(error)
+                placed = Order.objects.filter(item__sku="limited").count()
+                if not sold and placed == len(BUYER_NAMES) * LIMIT:
+                    return
+        finally:
+            connection.close()
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_batches_in_flight_together_with_the_same_buyers_keep_each_buyer_s_limit(settings, round_):
+    # Given a writer with two database connections, and a lua sale of 30 units, at most 2 a
+    # buyer, for 15 buyers: exactly the stock
+    settings.FLASHSALE_SALE_WRITER_CONNECTIONS = 2
+    start_sale(sku="limited", stock=len(BUYER_NAMES) * LIMIT, strategy="lua", limit=LIMIT)
+    with serving() as writer:
+        settings.FLASHSALE_SALE_WRITER = writer.path
+        # When 12 threads check out for all 15 buyers at once, each in its own order, so that
+        # batches in flight together hold the same buyers in different orders
+        crowd = [LimitedBuyer(seed) for seed in range(12)]
+        for buyer in crowd:
+            buyer.start()
+        for buyer in crowd:
+            buyer.join(120)
+            assert not buyer.is_alive()
+
+    # Then no batch failed (two statements waiting for each other would end in a deadlock
+    # error and a busy answer): every attempt was sold or refused for the limit or the stock
+    outcomes = [outcome for buyer in crowd for outcome in buyer.outcomes]
+    unexpected = [
+        outcome for outcome in outcomes if not isinstance(outcome, (Order, LimitReached, SoldOut))
+    ]
+    assert unexpected == []
+    # and each buyer got exactly its limit, the stock sold exactly once
+    sold = [outcome for outcome in outcomes if isinstance(outcome, Order)]
+    assert len(sold) == len(BUYER_NAMES) * LIMIT
+    assert sorted({order.buyer for order in sold}) == sorted(BUYER_NAMES)
+    for name in BUYER_NAMES:
+        assert Order.objects.filter(item__sku="limited", buyer=name).count() == LIMIT
+    audit = audit_sale("limited")
+    assert audit["accepted_units"] == 30 and audit["oversold"] == 0, audit
+    assert audit["db_stock"] == audit["redis_stock"] == 0 and audit["consistent"], audit

@@ -92,9 +92,11 @@ def test_a_tiny_run_prints_every_contender_and_no_safe_one_oversells(django_db_s
     # and how long the writer and its backend ran and queued for a CPU, per batch
     assert re.search(
         r"on a CPU / waiting for one: writer \d+\.\d\d / \d+\.\d\d, "
-        r"its backend \d+\.\d\d / \d+\.\d\d",
+        r"its backends \d+\.\d\d / \d+\.\d\d",
         result.stdout,
     ), result.stdout
+    # and how many statements it had in flight at once, on how many connections
+    assert re.search(r"in flight at once, at most: 1 of 1 connections", result.stdout)
     assert re.search(r"lock\s+vs hot row \(SQL\)\s+\d+\.\d\dx", result.stdout), result.stdout
     assert re.search(r"take \+ row sale \(SQL\)\s+vs hot row \(SQL\)\s+\d", result.stdout)
     # and every unit a buyer was sold is an order in the database
