@@ -83,33 +83,6 @@ def in_flight(item: Item, buyer: str) -> Iterator[Checkout]:
         yield checkout
 
 
-def test_the_writer_takes_the_next_batch_while_a_statement_is_in_flight(widget_writer):
-    writer, item = widget_writer
-    # Given a checkout whose statement waits on the stock rows
-    with in_flight(item, "ann") as first:
-        # When two more buyers check out while the first statement is in flight
-        others = [Checkout("widget", "bob"), Checkout("widget", "cat")]
-        for checkout in others:
-            checkout.start()
-
-        # Then the writer takes their units at once, and answers nobody yet
-        assert wait_until(lambda: plumbing.rows_total(item) == 7, timeout=10)
-        assert all(checkout.is_alive() for checkout in [first, *others])
-        assert writer.sales == 0 and Order.objects.count() == 0
-    for checkout in [first, *others]:
-        checkout.join(20)
-
-    # and once the rows are free, all three are sold in two batches, each buyer answered with
-    # its order committed
-    for checkout in [first, *others]:
-        assert isinstance(checkout.outcome, Order), checkout.outcome
-        assert checkout.committed is True
-    assert writer.sales == 3 and writer.batches == 2
-    audit = audit_sale("widget")
-    assert audit["accepted_units"] == 3 and audit["db_stock"] == audit["redis_stock"] == 7, audit
-    assert audit["consistent"], audit
-
-
 def test_a_writer_stopped_with_a_statement_in_flight_answers_it_before_it_exits(widget_writer):
     writer, item = widget_writer
     # Given a checkout whose statement is in flight

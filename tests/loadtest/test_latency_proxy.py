@@ -43,23 +43,19 @@ def echo_server() -> Iterator[int]:
         listener.close()
 
 
+def _command(listen: int, target_port: int, delay_ms: float) -> list[str]:
+    return [
+        *(sys.executable, "-m", "loadtest.latency_proxy"),
+        *("--listen", str(listen), "--to", f"127.0.0.1:{target_port}"),
+        *("--delay-ms", str(delay_ms)),
+    ]
+
+
 @contextmanager
 def proxy(target_port: int, delay_ms: float) -> Iterator[int]:
     port = _free_port()
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "loadtest.latency_proxy",
-            "--listen",
-            str(port),
-            "--to",
-            f"127.0.0.1:{target_port}",
-            "--delay-ms",
-            str(delay_ms),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
+        _command(port, target_port, delay_ms), stdout=subprocess.PIPE, text=True
     )
     try:
         assert process.stdout is not None
@@ -127,21 +123,6 @@ def test_the_proxy_refuses_bad_arguments(args, complaint):
 def test_the_proxy_says_when_its_port_is_taken():
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "loadtest.latency_proxy",
-                "--listen",
-                str(port),
-                "--to",
-                "127.0.0.1:1",
-                "--delay-ms",
-                "1",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        result = subprocess.run(_command(port, 1, 1), capture_output=True, text=True, timeout=30)
     assert result.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
