@@ -13,11 +13,7 @@ from contextlib import contextmanager
 
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from shop.processes.ports import free_port
 
 
 @contextmanager
@@ -53,7 +49,7 @@ def _command(listen: int, target_port: int, delay_ms: float) -> list[str]:
 
 @contextmanager
 def proxy(target_port: int, delay_ms: float) -> Iterator[int]:
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         _command(port, target_port, delay_ms), stdout=subprocess.PIPE, text=True
     )
@@ -93,7 +89,7 @@ def test_the_proxy_relays_every_byte_in_order_each_way_later_by_its_delay():
 
 
 def test_a_proxy_whose_target_is_down_closes_the_client_s_connection():
-    with proxy(_free_port(), delay_ms=0) as port:
+    with proxy(free_port(), delay_ms=0) as port:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             assert sock.recv(1) == b""
 
