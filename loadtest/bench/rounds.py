@@ -154,7 +154,7 @@ class _Writer:
 
 def _pids(stats: dict[str, Any]) -> list[int]:
     """The PostgreSQL backends of the writer's connections."""
-    return [pid for pid in stats.get("backend_pids") or [stats["backend_pid"]] if pid]
+    return [pid for pid in stats["backend_pids"] if pid]
 
 
 def _backends_cpu(stats: dict[str, Any]) -> float:
@@ -163,13 +163,11 @@ def _backends_cpu(stats: dict[str, Any]) -> float:
 
 def _backends_scheduled(stats: dict[str, Any]) -> tuple[float, float] | None:
     """(on a CPU, waiting for one) of the writer's backends together; None when unreadable."""
-    readings = [scheduled_seconds(pid) for pid in _pids(stats)]
-    if not readings or any(reading is None for reading in readings):
+    pids = _pids(stats)
+    readings = [reading for pid in pids if (reading := scheduled_seconds(pid)) is not None]
+    if not pids or len(readings) < len(pids):
         return None
-    return (
-        sum(reading[0] for reading in readings if reading is not None),
-        sum(reading[1] for reading in readings if reading is not None),
-    )
+    return sum(running for running, _ in readings), sum(waiting for _, waiting in readings)
 
 
 #: The writer's stats that count up (the rest name its process).
@@ -205,7 +203,7 @@ def _writer_summary(stats: dict[str, Any], cpu: float, seconds: float) -> str:
         f"statement {per_batch(stats['commit_seconds'])} "
         f"({per_batch(stats['commit_cpu_seconds'])} CPU); "
         f"its CPU per sale {1000 * cpu / max(stats['sales'], 1):.2f} ms; "
-        f"statements in flight at once, at most: {stats.get('most_in_flight', 1)} "
+        f"statements in flight at once, at most: {stats['most_in_flight']} "
         f"of {len(_pids(stats))} connections"
     )
     if stats.get("released"):
