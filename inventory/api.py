@@ -18,7 +18,7 @@ from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from . import metrics, selectors, services
+from . import metrics, selectors, services, writer
 from .exceptions import Busy, CheckoutError, InvalidRequest
 from .models import SKU_PATTERN, Order
 from .strategies.plumbing import lock_wait_seconds
@@ -117,12 +117,22 @@ def _read_body(request: HttpRequest) -> bytes:
 
 @csrf_exempt
 def checkout(request: HttpRequest) -> JsonResponse:
+    """POST /api/checkout. Served by the shop's gunicorn worker (`shop.handoff`), a `lua`
+    checkout without an idempotency key may be answered by the sale writer instead: then this
+    view leaves the worker what to send it (`writer.HandOff`) and a placeholder answer, which
+    the client never sees."""
     if request.method != "POST":
         return method_not_allowed(request, "POST")
     started = time.perf_counter()
     lock_wait_seconds.set(0.0)
     services.checkout_strategy.set(metrics.NO_STRATEGY)
-    response, outcome = _checkout(request)
+    offered = writer.CLIENT in request.META and not request.META.get(writer.DIRECT)
+    try:
+        with writer.handing_off(offered):
+            response, outcome = _checkout(request)
+    except writer.HandedOff as handed:
+        request.META[writer.HAND_OFF] = writer.HandOff(handed.request, request.body)
+        response, outcome = JsonResponse({}, status=202), "handed_off"
     metrics.checkout_answered(
         services.checkout_strategy.get(), outcome, time.perf_counter() - started
     )
@@ -136,12 +146,6 @@ def _checkout(request: HttpRequest) -> tuple[JsonResponse, str]:
     """The answer, and its outcome: `accepted` or the error's code."""
     try:
         parsed = parse_checkout(_read_body(request))
-        result = services.place_order(
-            sku=parsed.sku,
-            qty=parsed.qty,
-            buyer=parsed.buyer,
-            idempotency_key=parsed.idempotency_key,
-        )
     except RequestDataTooBig:
         too_large = error_response(
             "too_large",
@@ -149,6 +153,25 @@ def _checkout(request: HttpRequest) -> tuple[JsonResponse, str]:
             413,
         )
         return too_large, "invalid"
+    except CheckoutError as error:
+        return checkout_error_response(error), error.code
+    return answer_checkout(
+        sku=parsed.sku,
+        qty=parsed.qty,
+        buyer=parsed.buyer,
+        idempotency_key=parsed.idempotency_key,
+    )
+
+
+def answer_checkout(
+    *, sku: str, qty: int, buyer: str, idempotency_key: str | None
+) -> tuple[JsonResponse, str]:
+    """A validated checkout's answer, and its outcome: `accepted` or the error's code (also
+    what the sale writer answers a handed-off checkout with when its batch did not sell it)."""
+    try:
+        result = services.place_order(
+            sku=sku, qty=qty, buyer=buyer, idempotency_key=idempotency_key
+        )
     except CheckoutError as error:
         return checkout_error_response(error), error.code
     headers = {"Location": f"/api/orders/{result.order.public_id}"}

@@ -46,21 +46,35 @@ it, as for a direct checkout.
 
 The protocol is one JSON object per line each way; one request at a time per connection.
 A request to take is `sale_request`'s, one to write as it is `write_request`'s.
+
+A `lua` checkout served by `shop.handoff.HandOffWorker` (the shop's gunicorn worker) need not
+wait at all: its request goes with the client's connection (`HandOff`: a `reply` field, and the
+connection's descriptor passed with the line, SCM_RIGHTS) and is answered nothing on this
+socket; the writer answers the client itself (`_Buyer`): 201 once the order row is committed,
+409 when sold out, and for every rarer outcome what a checkout sold the direct way answers,
+run in one of its threads (`_answer_directly`). Checkouts with an idempotency key still wait:
+a retry of theirs must find the order or a `503 busy`, never a dropped connection.
 """
 
 from __future__ import annotations
 
+import array
 import json
 import logging
 import os
+import resource
 import select
 import selectors
 import socket
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from email.utils import formatdate
+from http import HTTPStatus
 from typing import Any
 
 from django.conf import settings
@@ -71,12 +85,17 @@ from locking import release_each_call, scripts
 from locking.counter import Claim, StockCounter, Take
 
 from . import keys, publishing, stock
+from .exceptions import Busy, SoldOut
 from .redis_client import REDIS_DOWN_ERRORS, get_redis_client
 
 logger = logging.getLogger(__name__)
 
 #: Longest line either side sends; a longer one is a protocol error.
 MAX_LINE = 64 * 1024
+#: Most connections one read of a buyer's socket takes with its lines (`SCM_RIGHTS`).
+MAX_FDS = 64
+#: Threads that answer handed-off checkouts the writer's own thread does not (`_answer_directly`).
+DIRECT_THREADS = 8
 
 #: What a release of holders' locks may fail with: then their holders release them.
 _RELEASE_ERRORS: tuple[type[Exception], ...] = (*REDIS_DOWN_ERRORS, ResponseError)
@@ -92,6 +111,100 @@ class WriterLost(Exception):
 
 def _line(message: dict[str, Any]) -> bytes:
     return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+
+
+#: The environ keys of a hand-off (`shop.handoff.HandOffWorker`): the client's connection the
+#: worker offers, what the view leaves it to send, and the mark of a request served again
+#: the direct way because nothing could be sent.
+CLIENT = "flashsale.client"
+HAND_OFF = "flashsale.hand_off"
+DIRECT = "flashsale.direct"
+
+_local = threading.local()
+
+
+#: After a hand-off found no writer, how long this process's checkouts wait for theirs instead
+#: of trying again (each try that fails serves its request twice).
+UNREACHABLE_FOR = 1.0
+_unreachable_until = 0.0
+
+
+def may_hand_off() -> bool:
+    """Whether the checkout running in this thread may give its connection to the writer (its
+    view allowed it: `handing_off`), the writer not found missing in the last UNREACHABLE_FOR
+    seconds."""
+    return getattr(_local, "hand_off", False) and time.monotonic() >= _unreachable_until
+
+
+@contextmanager
+def handing_off(allowed: bool) -> Iterator[None]:
+    """Within: `may_hand_off()` is `allowed`."""
+    before = may_hand_off()
+    _local.hand_off = allowed
+    try:
+        yield
+    finally:
+        _local.hand_off = before
+
+
+@contextmanager
+def direct_only() -> Iterator[None]:
+    """Within: this thread's checkouts sell the direct way (`client()` is None): the writer's
+    own threads answering a handed-off checkout (`_answer_directly`)."""
+    _local.direct = True
+    try:
+        yield
+    finally:
+        _local.direct = False
+
+
+class HandedOff(Exception):  # noqa: N818 (a signal, not an error)
+    """Raised by a checkout that is to be answered by the writer: `request` is what to send it.
+    The view catches it and leaves a `HandOff` for the worker."""
+
+    def __init__(self, request: dict[str, Any]) -> None:
+        super().__init__("handed to the sale writer")
+        self.request = request
+
+
+@dataclass
+class HandOff:
+    """A checkout the worker is to send the writer with the client's connection (`send`);
+    `body` is the request's, to serve it again the direct way when nothing could be sent."""
+
+    request: dict[str, Any]
+    body: bytes
+
+    def send(self, sock: socket.socket, response: Any) -> bool:
+        """Send the sale, the answer's headers so far (`response`: gunicorn's, after the
+        middleware added its own) and the connection. False when nothing was sent."""
+        sale_writer = client()
+        if sale_writer is None:
+            return False
+        version = "HTTP/{}.{}".format(*response.req.version)
+        headers = [
+            [name, value]
+            for name, value in response.headers
+            if name.lower() not in ("content-type", "content-length")
+        ]
+        reply = {"version": version, "server": response.version, "headers": headers}
+        try:
+            sale_writer.hand_off({**self.request, "reply": reply}, sock.fileno())
+        except WriterUnavailable as exc:
+            global _unreachable_until
+            _unreachable_until = time.monotonic() + UNREACHABLE_FOR
+            _warn_once(f"{exc}; checkouts sell the direct way until it is back")
+            return False
+        return True
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning("%s", message)
 
 
 # -- the buyer's side --------------------------------------------------------------------------
@@ -123,6 +236,21 @@ class WriterClient:
             self._drop()
             raise WriterLost(f"sale writer at {self.path} closed the connection")
         return json.loads(raw)
+
+    def hand_off(self, request: dict[str, Any], fd: int) -> None:
+        """Send a request with a connection for the writer to answer on (its descriptor); no
+        answer comes on this socket. Raises WriterUnavailable when it was not sent whole (a
+        part sent is dropped with the connection: the writer acts on whole lines only)."""
+        sock, _ = self._connection()
+        data = _line(request)
+        fds = array.array("i", [fd])
+        try:
+            sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+            if sent < len(data):
+                sock.sendall(data[sent:])
+        except OSError as exc:
+            self._drop()
+            raise WriterUnavailable(f"sale writer at {self.path}: {exc}") from None
 
     def _connection(self) -> tuple[socket.socket, Any]:
         held = getattr(self._local, "held", None)
@@ -167,7 +295,7 @@ _clients: dict[tuple[int, str], WriterClient] = {}
 def client() -> WriterClient | None:
     """This process's client of the configured writer; None when none is configured."""
     path = settings.FLASHSALE_SALE_WRITER
-    if not path:
+    if not path or getattr(_local, "direct", False):
         return None
     key = (os.getpid(), path)
     found = _clients.get(key)
@@ -288,11 +416,127 @@ class _Connection:
     closed: bool = False
     #: The batch that answered this buyer last (None before its first answer).
     group: _Group | None = None
+    #: Connections handed over with requests (descriptors), not yet matched to their lines.
+    fds: list[int] = field(default_factory=list)
+
+
+#: Outcomes a buyer's connection is answered with by the writer's own thread; any other is
+#: answered in one of its threads (`SaleWriter._answer_directly`).
+_ANSWERED_AT_ONCE = ("sold", "sold_out")
+
+_date: tuple[int, str] = (0, "")
+
+
+def _http_date() -> str:
+    """The Date header's value, made once a second."""
+    global _date
+    now = int(time.time())
+    if _date[0] != now:
+        _date = (now, formatdate(now, usegmt=True))
+    return _date[1]
+
+
+@dataclass(eq=False)
+class _Buyer:
+    """A handed-off checkout's client connection (`HandOff`): answered once, over HTTP, then
+    closed. It stands where a buyer's connection to the writer would (`_Sale.conn`)."""
+
+    sock: socket.socket
+    request: dict[str, Any]
+    #: The status line's version, the Server header and the middleware's headers.
+    version: str
+    server: str
+    headers: list[tuple[str, str]]
+    closed: bool = False
+    group: _Group | None = None
+    #: What the socket did not take at once (`finish` sends it).
+    rest: bytes = b""
+
+    @classmethod
+    def of(cls, request: dict[str, Any], fd: int) -> _Buyer:
+        """The buyer of a handed-off request, on connection `fd` (which it owns from here).
+        Raises ValueError for a reply it cannot answer with."""
+        sock = socket.socket(fileno=fd)
+        try:
+            reply = request["reply"]
+            headers = [(str(name), str(value)) for name, value in reply["headers"]]
+            if any("\n" in name + value or "\r" in name + value for name, value in headers):
+                raise ValueError("a header with a line break")
+            buyer = cls(sock, request, str(reply["version"]), str(reply["server"]), headers)
+        except (KeyError, TypeError, ValueError) as exc:
+            sock.close()
+            raise ValueError(f"a hand-off's reply: {exc!r}") from None
+        sock.setblocking(False)
+        return buyer
+
+    def respond(self, status: int, content: bytes, headers: Iterable[tuple[str, str]]) -> None:
+        """Send the answer (its own headers, then the middleware's) and close the connection.
+        What the socket does not take at once is sent in `_finish` (the caller's choice of
+        thread: `SaleWriter._respond`)."""
+        lines = [
+            f"{self.version} {status} {HTTPStatus(status).phrase}\r\n",
+            f"Server: {self.server}\r\nDate: {_http_date()}\r\nConnection: close\r\n",
+        ]
+        lines += [f"{name}: {value}\r\n" for name, value in headers]
+        lines += [f"{name}: {value}\r\n" for name, value in self.headers]
+        lines.append(f"Content-Length: {len(content)}\r\n\r\n")
+        data = "".join(lines).encode("latin-1") + content
+        self.closed = True
+        try:
+            sent = self.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self.sock.close()  # the client is gone; a committed sale stays committed
+            return
+        if sent < len(data):
+            self.rest = data[sent:]
+            return
+        self._close()
+
+    def finish(self, timeout: float = 5.0) -> None:
+        """Send what `respond` could not at once, waiting for the client at most `timeout`."""
+        try:
+            self.sock.settimeout(timeout)
+            self.sock.sendall(self.rest)
+        except OSError:
+            pass
+        self._close()
+
+    def _close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        self.sock.close()
+
+    def created(self, answer: dict[str, Any]) -> None:
+        """201: the order as `selectors.checkout_payload` renders it."""
+        sale = self.request["sale"]
+        payload = {
+            "order": sale["public_id"],
+            "sku": self.request["sku"],
+            "qty": sale["qty"],
+            "buyer": sale["buyer"],
+            "status": "pending",
+            "strategy": sale["served_by"],
+            "fallback": sale["fallback"],
+            "created_at": answer["at"],
+        }
+        headers = [
+            ("Content-Type", "application/json"),
+            ("Location", f"/api/orders/{sale['public_id']}"),
+        ]
+        self.respond(201, json.dumps(payload).encode(), headers)
+
+    def refused(self, code: str, detail: str, status: int, headers: Iterable = ()) -> None:
+        body = json.dumps({"error": code, "detail": detail}).encode()
+        self.respond(status, body, [("Content-Type", "application/json"), *headers])
 
 
 @dataclass
 class _Sale:
-    conn: _Connection
+    conn: _Connection | _Buyer
     request: dict[str, Any]  # what sell_batch takes, with its rows
     #: A lock holder's locks to release once the sale is committed (`write_request`).
     release: dict[str, list[str]] | None = None
@@ -334,7 +578,7 @@ class SaleWriter:
         #: The buyers' open connections.
         self._connections: set[_Connection] = set()
         #: Requests read and not taken yet, in arrival order, and when the first arrived.
-        self._pending: list[tuple[_Connection, dict[str, Any]]] = []
+        self._pending: list[tuple[_Connection | _Buyer, dict[str, Any]]] = []
         self._pending_since = 0.0
         #: Sales taken (their units are out of Redis) and not sent yet.
         self._taken: list[_Sale] = []
@@ -344,6 +588,10 @@ class SaleWriter:
         #: Its database connections: the thread's own, and others made in `serve_forever`.
         self._databases: list[Any] = []
         self.connections = settings.FLASHSALE_SALE_WRITER_CONNECTIONS
+        #: Handed-off checkouts answered (`_Buyer`), and of those, how many the direct way.
+        self.answered = 0
+        self.answered_directly = 0
+        self._directly = ThreadPoolExecutor(DIRECT_THREADS, thread_name_prefix="sale-writer-direct")
 
     @property
     def backend_pid(self) -> int | None:
@@ -353,6 +601,7 @@ class SaleWriter:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def serve_forever(self, ready: Callable[[], None] | None = None) -> None:
+        _open_files_to_the_hard_limit()
         listener = self._listen()
         try:
             # Made in the thread that uses them (Django checks that a connection stays there).
@@ -370,6 +619,7 @@ class SaleWriter:
                 self._turn(listener)
             self._drain()
         finally:
+            self._directly.shutdown(wait=True)
             self._stop_publishing()
             # Buyers still connected find the connection closed: they sell the direct way
             # until a writer listens again.
@@ -509,18 +759,28 @@ class SaleWriter:
         conn.sock.close()
         conn.closed = True
         conn.group = None
+        for fd in conn.fds:  # handed over with lines that never came whole
+            os.close(fd)
+        conn.fds.clear()
         self._connections.discard(conn)
 
-    def _read(self, conn: _Connection) -> list[tuple[_Connection, dict[str, Any]]]:
+    def _read(self, conn: _Connection) -> list[tuple[_Connection | _Buyer, dict[str, Any]]]:
         try:
-            data = conn.sock.recv(MAX_LINE)
+            data, ancillary, flags, _ = conn.sock.recvmsg(MAX_LINE, socket.CMSG_SPACE(MAX_FDS * 4))
         except OSError:
-            data = b""
-        if not data:
+            data, ancillary, flags = b"", [], 0
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+                conn.fds.extend(fds)
+        if not data or flags & socket.MSG_CTRUNC:
+            if data:
+                logger.error("sale writer: a buyer sent more connections than it can take")
             self._close(conn)
             return []
         conn.buffer += data
-        arrived = []
+        arrived: list[tuple[_Connection | _Buyer, dict[str, Any]]] = []
         while True:
             end = conn.buffer.find(b"\n")
             if end < 0:
@@ -541,6 +801,21 @@ class SaleWriter:
                 continue
             if request.get("op") == "orders":
                 self._answer(conn, self._relayed(request.get("ids")))
+                continue
+            if "reply" in request:
+                # A hand-off: its connection came with it. One without is a broken stream:
+                # nothing more on it can be matched to its connection.
+                if not conn.fds:
+                    logger.error("sale writer: a hand-off came without its connection")
+                    self._close(conn)
+                    return arrived
+                try:
+                    buyer = _Buyer.of(request, conn.fds.pop(0))
+                except ValueError as exc:
+                    logger.error("sale writer: %s", exc)
+                    self._close(conn)
+                    return arrived
+                arrived.append((buyer, request))
                 continue
             group = conn.group
             if group is not None:
@@ -565,13 +840,82 @@ class SaleWriter:
             "take_cpu_seconds": self.take_cpu,
             "commit_seconds": self.commit_seconds,
             "commit_cpu_seconds": self.commit_cpu,
+            "answered": self.answered,
+            "answered_directly": self.answered_directly,
         }
 
-    def _answer(self, conn: _Connection, answer: dict[str, Any]) -> None:
+    def _answer(self, conn: _Connection | _Buyer, answer: dict[str, Any]) -> None:
+        if isinstance(conn, _Buyer):
+            self._respond(conn, answer)
+            return
         try:
             conn.sock.sendall(_line(answer))
         except OSError:
             pass  # the buyer is gone; its sale, if written, is in the database all the same
+
+    def _respond(self, buyer: _Buyer, answer: dict[str, Any]) -> None:
+        """Answer a handed-off checkout: sold and sold out here, anything else the way a web
+        process would, in one of the writer's threads."""
+        self.answered += 1
+        outcome = answer["o"]
+        if outcome == "sold":
+            buyer.created(answer)
+        elif outcome == "sold_out":
+            refusal = SoldOut(sku=buyer.request["sku"], requested=buyer.request["qty"])
+            buyer.refused(refusal.code, refusal.detail, refusal.status)
+        else:
+            self.answered_directly += 1
+            self._directly.submit(self._answer_directly, buyer, answer)
+            return
+        if buyer.rest:
+            self._directly.submit(buyer.finish)
+
+    def _answer_directly(self, buyer: _Buyer, answer: dict[str, Any]) -> None:
+        """A handed-off checkout the batch did not sell (in one of the writer's threads). A
+        batch that failed may have committed it: that is answered `503 busy` (a retry finds
+        the order by its key, if it has one), as a waiting buyer is. Otherwise the units it
+        took go back, and it is sold the direct way, the answer being the API's."""
+        from .api import answer_checkout, checkout_error_response
+
+        request = buyer.request
+        try:
+            close_old_connections()
+            if answer["o"] == "failed":
+                busy = Busy(
+                    f"{request['sku']}: the sale writer's batch failed",
+                    retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+                )
+                response = checkout_error_response(busy)
+            else:
+                self._give_back(request, answer.get("rows"))
+                with direct_only():
+                    response, _ = answer_checkout(
+                        sku=request["sku"],
+                        qty=request["qty"],
+                        buyer=request["sale"]["buyer"],
+                        idempotency_key=request["sale"].get("key"),
+                    )
+            buyer.respond(response.status_code, response.content, response.items())
+            if buyer.rest:
+                buyer.finish()
+        except Exception:
+            logger.exception("sale writer: a handed-off checkout could not be answered")
+            buyer.refused("error", "the checkout failed in the sale writer", 500)
+            if buyer.rest:
+                buyer.finish()
+        finally:
+            close_old_connections()
+
+    def _give_back(self, request: dict[str, Any], rows: dict[str, int] | None) -> None:
+        """The units a take got for a request the batch did not sell, back to their counters."""
+        if not rows:
+            return
+        _, counters = keys.sale_counters(request["sku"], request["sale"]["sale"], request["rows"])
+        try:
+            self._counter.give_back_many({counters[int(i)]: units for i, units in rows.items()})
+        except REDIS_DOWN_ERRORS as exc:
+            # Low until the counters are rebuilt from the database, as after any outage.
+            logger.warning("sale writer: could not give %s units back (%s)", rows, exc)
 
     # -- a batch: its units from Redis in one script, its sales in one statement -------------
 
@@ -579,7 +923,7 @@ class SaleWriter:
         """Take the units of every pending request in one script; those that got units wait
         in `_taken` for their statement, the others are answered now."""
         arrived, self._pending = self._pending, []
-        takes: list[tuple[_Connection, dict[str, Any], Take]] = []
+        takes: list[tuple[_Connection | _Buyer, dict[str, Any], Take]] = []
         for conn, request in arrived:
             if "write" in request:  # a lock holder's sale: its units are its rows' already
                 try:
@@ -731,7 +1075,8 @@ class SaleWriter:
                 if released and place in released:
                     answer["released"] = released[place]
             self._answer(sale.conn, {**answer, "rows": sale.request["rows"]})
-            if not sale.conn.closed:
+            # (A handed-off checkout's connection is answered once: it sends nothing again.)
+            if isinstance(sale.conn, _Connection) and not sale.conn.closed:
                 sale.conn.group = group
                 group.waiting.add(sale.conn)
         if sold:
@@ -781,6 +1126,19 @@ class SaleWriter:
             self._publisher.stop()
         except Exception:
             logger.exception("sale writer: publishing its last orders failed")
+
+
+def _open_files_to_the_hard_limit() -> None:
+    """Let the writer hold as many descriptors as it may: each handed-off checkout's client
+    connection is one until it is answered (a read that finds no room for the descriptors it
+    carries closes the web process's connection, and with it those checkouts)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError) as exc:
+            logger.warning("sale writer: open files stay at %d (%s)", soft, exc)
 
 
 def take_priority(nice: int) -> str | None:

@@ -210,6 +210,10 @@ class LuaStrategy(StockStrategy):
             sale=record.request(served_by=self.name),
         )
 
+        if claim is None and writer.may_hand_off():
+            # The writer answers the client (`shop.handoff`): nothing to wait for here.
+            raise writer.HandedOff(request)
+
         def ask() -> dict[str, Any] | None:
             answer = plumbing.ask_writer(sale_writer, request, item.sku)
             outcome = answer["o"]
