@@ -125,7 +125,7 @@ class Server:
             [sys.executable, "-m", "gunicorn", "shop.wsgi:application"]
             + ["--config", "python:shop.gunicorn_conf"]
             + ["--bind", f"{self.host}:{self.port}", "--workers", str(self.workers)]
-            + ["--worker-class", "sync", "--access-logfile", "-"],
+            + ["--access-logfile", "-"],
         )
         self._spawn(
             "the Celery worker",
