@@ -338,13 +338,18 @@ def test_a_killed_writer_loses_no_201_and_the_buyers_go_on_the_direct_way(strate
 
     # Then no buyer saw a server error, and every 201 is a committed order
     context = f"{dict(result.statuses)} {dict(result.errors)}"
-    assert result.transport_failures == 0, context
+    # (`lua`'s checkouts hand their connections to the writer, `shop.handoff`: those it held
+    # when it was killed were closed unanswered, one at most per buyer. A holder of
+    # `segmented` waits for the writer and answers busy.)
+    dropped = BUYERS if strategy == "lua" else 0
+    assert result.transport_failures <= dropped, context
     assert set(result.statuses) <= {201, 409, 503}, context
     stored = Order.objects.filter(item__sku=sku)
     assert set(result.order_ids) <= {str(pid) for pid in stored.values_list("public_id", flat=True)}
     # and an order without a 201 is one the writer committed and could not answer (its buyer
-    # was told busy: a retry with the idempotency key finds it)
-    assert 0 <= stored.count() - result.accepted <= result.statuses[503], context
+    # was told busy, or its connection closed: a retry with an idempotency key finds it)
+    unanswered = result.statuses[503] + result.transport_failures
+    assert 0 <= stored.count() - result.accepted <= unanswered, context
     # the buyers went on selling the direct way once the writer was gone
     assert stored.filter(created_at__gt=killed_at).exists(), context
     audit = audit_sale(sku)

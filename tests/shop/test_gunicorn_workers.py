@@ -1,5 +1,6 @@
-"""Which gunicorn worker classes the shop runs on: sync and gthread serve it, gevent is refused
-at start with a clear error (docs/operations.md, "Sync workers, or gthread")."""
+"""Which gunicorn worker classes the shop runs on: its own sync worker (`shop.handoff`, the
+default), gunicorn's sync and gthread serve it, gevent is refused at start with a clear error
+(docs/operations.md, "Sync workers, or gthread")."""
 
 from __future__ import annotations
 
@@ -42,9 +43,12 @@ def test_gevent_workers_are_refused_before_any_worker_starts(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("options", [(), ("--worker-class", "gthread", "--threads", "2")])
+@pytest.mark.parametrize(
+    "options",
+    [(), ("--worker-class", "sync"), ("--worker-class", "gthread", "--threads", "2")],
+)
 def test_sync_and_gthread_workers_serve_the_shop(options):
-    # Given the shop's gunicorn with the default sync workers, or gthread
+    # Given the shop's gunicorn with its default sync workers, gunicorn's own, or gthread
     port = free_port()
     process = subprocess.Popen(
         _gunicorn(port, "--workers", "1", *options),

@@ -6,7 +6,6 @@ with the machine's nginx; skipped where there is none (`make nginx` installs it,
 
 from __future__ import annotations
 
-import re
 import socket
 import time
 import urllib.request
@@ -15,9 +14,9 @@ from collections.abc import Iterator
 import pytest
 
 from shop.processes.ports import free_port
-from shop.processes.servers import PROJECT_DIR, ShopServer
+from shop.processes.servers import ShopServer
 from tests.conftest import server_env
-from tests.support import NGINX, nginx_serving
+from tests.support import NGINX, nginx_serving, nginx_site
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -38,11 +37,7 @@ def gunicorn() -> Iterator[ShopServer]:
 @pytest.fixture
 def proxy(gunicorn, tmp_path) -> Iterator[str]:
     port = free_port()
-    site = (PROJECT_DIR / "deploy" / "nginx.conf").read_text()
-    site, upstreams = re.subn(r"server web:8000;", f"server 127.0.0.1:{gunicorn.port};", site)
-    site, listens = re.subn(r"listen 80;", f"listen 127.0.0.1:{port};", site)
-    assert upstreams == listens == 1, "deploy/nginx.conf changed shape: update this test"
-    with nginx_serving(site, tmp_path, port) as url:
+    with nginx_serving(nginx_site(gunicorn.port, port), tmp_path, port) as url:
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:  # up once gunicorn answers through it
             if _answers_within(url, 2):

@@ -6,6 +6,7 @@ import base64
 import contextlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -105,6 +106,18 @@ def flood_sells_exactly_the_stock(url: str, sku: str, *, stock: int, attempts: i
 NGINX = shutil.which("nginx") or (
     "/usr/sbin/nginx" if os.access("/usr/sbin/nginx", os.X_OK) else None
 )
+
+
+def nginx_site(upstream_port: int, listen_port: int) -> str:
+    """deploy/nginx.conf with its upstream on 127.0.0.1:`upstream_port` (a test's gunicorn)
+    and listening on 127.0.0.1:`listen_port`."""
+    from shop.processes.servers import PROJECT_DIR
+
+    site = (PROJECT_DIR / "deploy" / "nginx.conf").read_text()
+    site, upstreams = re.subn(r"server web:8000;", f"server 127.0.0.1:{upstream_port};", site)
+    site, listens = re.subn(r"listen 80;", f"listen 127.0.0.1:{listen_port};", site)
+    assert upstreams == listens == 1, "deploy/nginx.conf changed shape: update nginx_site"
+    return site
 
 
 @contextlib.contextmanager

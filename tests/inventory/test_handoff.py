@@ -1,0 +1,227 @@
+"""A `lua` checkout handed to the sale writer with its client's connection (`shop.handoff`): the
+web process sends the sale and the connection and takes its next request; the writer answers
+the client once the order row is committed, or as a direct checkout would when its batch did
+not sell it. Real gunicorn, a real writer process, real sockets."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import uuid
+from urllib.parse import urlsplit
+
+import psycopg
+import pytest
+
+from inventory import keys
+from inventory.models import Item, Order
+from inventory.selectors import audit_sale
+from inventory.services import start_sale
+from inventory.strategies import plumbing
+from inventory.writer import writer_stats
+from loadtest.flood import flood
+from shop.processes.ports import free_port
+from shop.processes.servers import SaleWriter as SaleWriterProcess
+from tests.conftest import server_env, start_shop, test_database_url
+from tests.support import NGINX, flood_sells_exactly_the_stock, nginx_serving, nginx_site
+
+STOCK = 60
+BUYERS = 24
+ATTEMPTS = 200
+ROUNDS = 3
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(scope="module")
+def writer_process(django_db_setup, django_db_blocker):
+    writer = SaleWriterProcess(server_env()).start()
+    yield writer
+    writer.stop()
+
+
+@pytest.fixture(scope="module")
+def shop(writer_process):
+    server = start_shop(**writer_process.env())
+    yield server
+    server.stop()
+
+
+def _post(url: str, body: dict) -> tuple[int, dict[str, str], dict]:
+    parts = urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    try:
+        connection.request(
+            "POST", "/api/checkout", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        response = connection.getresponse()
+        payload = json.loads(response.read())
+        return response.status, dict(response.getheaders()), payload
+    finally:
+        connection.close()
+
+
+def _stats_delta(writer_process, before: dict) -> dict:
+    after = writer_stats(writer_process.path)
+    return {key: after[key] - before[key] for key in ("answered", "answered_directly", "sales")}
+
+
+def test_a_handed_off_flood_sells_exactly_the_stock_and_the_writer_answers_every_buyer(
+    shop, writer_process
+):
+    before = writer_stats(writer_process.path)
+    for _ in range(ROUNDS):
+        # Given a lua sale on a server whose checkouts hand their connections to the writer
+        sku = f"handoff-{uuid.uuid4().hex[:8]}"
+        start_sale(sku=sku, stock=STOCK, strategy="lua")
+
+        # When a crowd larger than the stock buys, many at a time, without idempotency keys
+        # Then exactly the stock is sold, each 201 a committed order, every other answer sold out
+        flood_sells_exactly_the_stock(shop.url, sku, stock=STOCK, attempts=ATTEMPTS, buyers=BUYERS)
+
+    # and the writer answered every one of those buyers itself, none the direct way
+    delta = _stats_delta(writer_process, before)
+    assert delta == {"answered": ROUNDS * ATTEMPTS, "answered_directly": 0, "sales": ROUNDS * STOCK}
+
+
+def test_each_201_of_the_writer_names_an_order_already_committed(shop):
+    # Given a lua sale
+    sku = f"committed-{uuid.uuid4().hex[:8]}"
+    start_sale(sku=sku, stock=STOCK, strategy="lua")
+    dsn = test_database_url()
+    missing: list[str] = []
+    answers: list[int] = []
+
+    def buy(worker: int) -> None:
+        # Each buyer looks its order up on a connection of its own the moment its 201 arrives
+        with psycopg.connect(dsn, autocommit=True) as database:
+            for attempt in range(ATTEMPTS // BUYERS + 1):
+                status, _, payload = _post(
+                    shop.url, {"sku": sku, "qty": 1, "buyer": f"c-{worker}-{attempt}"}
+                )
+                answers.append(status)
+                if status != 201:
+                    continue
+                found = database.execute(
+                    "SELECT 1 FROM inventory_order WHERE public_id = %s", [payload["order"]]
+                ).fetchone()
+                if found is None:
+                    missing.append(payload["order"])
+
+    threads = [threading.Thread(target=buy, args=(worker,)) for worker in range(BUYERS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+
+    # Then every order a 201 named was in the database already
+    assert answers.count(201) == STOCK and set(answers) == {201, 409}, answers
+    assert missing == []
+
+
+def test_the_writer_s_answers_are_the_api_s(shop):
+    # Given a lua sale of two units
+    sku = f"same-{uuid.uuid4().hex[:8]}"
+    start_sale(sku=sku, stock=2, strategy="lua")
+
+    # When one buyer checks out without a key (handed off) and one with a key (waits)
+    handed = _post(shop.url, {"sku": sku, "qty": 1, "buyer": "a"})
+    waited = _post(shop.url, {"sku": sku, "qty": 1, "buyer": "b", "idempotency_key": "k-b"})
+    sold_out_handed = _post(shop.url, {"sku": sku, "qty": 1, "buyer": "c"})
+    sold_out_waited = _post(shop.url, {"sku": sku, "qty": 1, "buyer": "d", "idempotency_key": "k"})
+
+    # Then both answers have the same status, headers and body, but for the values that name
+    # the order
+    def shape(answer: tuple[int, dict[str, str], dict]) -> tuple:
+        status, headers, payload = answer
+        names = sorted(name.lower() for name in headers if name.lower() != "date")
+        return status, names, headers.get("Content-Type"), sorted(payload)
+
+    assert shape(handed) == shape(waited)
+    assert handed[0] == 201 and handed[1]["Location"] == f"/api/orders/{handed[2]['order']}"
+    assert {key: handed[2][key] for key in ("sku", "qty", "buyer", "status", "strategy")} == {
+        "sku": sku,
+        "qty": 1,
+        "buyer": "a",
+        "status": "pending",
+        "strategy": "lua",
+    }
+    assert Order.objects.filter(public_id=handed[2]["order"], buyer="a", qty=1).exists()
+    assert shape(sold_out_handed) == shape(sold_out_waited)
+    assert sold_out_handed[0] == 409 and sold_out_handed[2] == sold_out_waited[2]
+
+
+def test_a_refusal_of_the_batch_is_answered_as_a_direct_checkout_would_be(shop, writer_process):
+    # Given a lua sale with a per-buyer limit of one
+    sku = f"limit-{uuid.uuid4().hex[:8]}"
+    start_sale(sku=sku, stock=10, strategy="lua", limit=1)
+    before = writer_stats(writer_process.path)
+
+    # When a buyer checks out twice, without a key
+    first = _post(shop.url, {"sku": sku, "qty": 1, "buyer": "once"})
+    second = _post(shop.url, {"sku": sku, "qty": 1, "buyer": "once"})
+
+    # Then the second is refused by the database's limit, answered by one of the writer's
+    # threads with the API's error, and its unit went back to Redis
+    assert first[0] == 201
+    assert second[0] == 409 and second[2]["error"] == "limit_reached", second
+    assert _stats_delta(writer_process, before)["answered_directly"] == 1
+    audit = audit_sale(sku)
+    assert audit["accepted_units"] == 1 and audit["db_stock"] == 9, audit
+    assert audit["redis_stock"] == 9 and audit["consistent"], audit
+
+
+def test_redis_granting_too_much_to_handed_off_checkouts_oversells_nothing(shop, writer_process):
+    # Given a lua sale whose Redis counters say 3x what its stock rows hold
+    sku = f"toohigh-{uuid.uuid4().hex[:8]}"
+    start_sale(sku=sku, stock=20, strategy="lua")
+    item = Item.objects.get(sku=sku)
+    counter = plumbing.counter()
+    for index in range(item.shard_count):
+        key = keys.row(item, index)
+        counter.set(key, 3 * (counter.get(key) or 0))
+    before = writer_stats(writer_process.path)
+
+    # When a crowd handed to the writer buys more than the stock
+    result = flood(shop.url, sku, attempts=80, concurrency=8)
+
+    # Then the database sold its 20 units and not one more; the batches it refused were sold
+    # again the direct way, and Redis was set right
+    context = f"{dict(result.statuses)} {dict(result.errors)}"
+    assert result.transport_failures == 0 and result.server_errors == 0, context
+    assert result.accepted == 20 and result.errors == {"sold_out": 60}, context
+    assert _stats_delta(writer_process, before)["answered_directly"] > 0
+    audit = audit_sale(sku)
+    assert audit["oversold"] == 0 and audit["db_stock"] == 0, audit
+    assert audit["redis_stock"] == 0 and audit["consistent"], audit
+
+
+def test_with_no_writer_listening_a_checkout_is_served_the_direct_way(tmp_path):
+    # Given a server configured with a writer that is not there
+    server = start_shop(FLASHSALE_SALE_WRITER=str(tmp_path / "nobody.sock"))
+    try:
+        sku = f"nowriter-{uuid.uuid4().hex[:8]}"
+        start_sale(sku=sku, stock=STOCK, strategy="lua")
+
+        # When a crowd buys it out
+        # Then each checkout is served again in its web process, the direct way: exactly the
+        # stock sold, no answer lost
+        flood_sells_exactly_the_stock(server.url, sku, stock=STOCK, attempts=ATTEMPTS, buyers=8)
+    finally:
+        server.stop()
+
+
+@pytest.mark.skipif(NGINX is None, reason="no nginx on this machine (make nginx)")
+def test_behind_the_proxy_the_writer_answers_nginx_s_connections(shop, writer_process, tmp_path):
+    # Given the shop behind deploy/nginx.conf, which reads each answer whole and closes
+    port = free_port()
+    with nginx_serving(nginx_site(shop.port, port), tmp_path, port) as url:
+        sku = f"proxied-{uuid.uuid4().hex[:8]}"
+        start_sale(sku=sku, stock=STOCK, strategy="lua")
+        before = writer_stats(writer_process.path)
+
+        # When a crowd buys through the proxy
+        # Then exactly the stock is sold, every answer whole, and the writer answered them
+        flood_sells_exactly_the_stock(url, sku, stock=STOCK, attempts=ATTEMPTS, buyers=BUYERS)
+    assert _stats_delta(writer_process, before)["answered"] == ATTEMPTS
