@@ -81,7 +81,7 @@ from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, close_old_connections, connection, connections
 from redis.exceptions import ResponseError
 
-from locking import release_each_call, scripts
+from locking import Lock, LockError, release_each_call, scripts
 from locking.counter import Claim, StockCounter, Take
 
 from . import keys, publishing, stock
@@ -159,12 +159,22 @@ def direct_only() -> Iterator[None]:
 
 
 class HandedOff(Exception):  # noqa: N818 (a signal, not an error)
-    """Raised by a checkout that is to be answered by the writer: `request` is what to send it.
-    The view catches it and leaves a `HandOff` for the worker."""
+    """Raised by a checkout that is to be answered by the writer: `request` is what to send it
+    (with the sale's `sku` and `qty`). `sent` runs once the writer has it, `not_sent` when
+    nothing could be sent (a shard holder's locks: forgotten, or released). The view catches it
+    and leaves a `HandOff` for the worker."""
 
-    def __init__(self, request: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        request: dict[str, Any],
+        *,
+        sent: Callable[[], None] | None = None,
+        not_sent: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__("handed to the sale writer")
         self.request = request
+        self.sent = sent
+        self.not_sent = not_sent
 
 
 @dataclass
@@ -174,12 +184,19 @@ class HandOff:
 
     request: dict[str, Any]
     body: bytes
+    sent: Callable[[], None] | None = None
+    not_sent: Callable[[], None] | None = None
+
+    @classmethod
+    def of(cls, handed: HandedOff, body: bytes) -> HandOff:
+        return cls(handed.request, body, handed.sent, handed.not_sent)
 
     def send(self, sock: socket.socket, response: Any) -> bool:
         """Send the sale, the answer's headers so far (`response`: gunicorn's, after the
         middleware added its own) and the connection. False when nothing was sent."""
         sale_writer = client()
         if sale_writer is None:
+            self._not_sent()
             return False
         version = "HTTP/{}.{}".format(*response.req.version)
         headers = [
@@ -194,8 +211,15 @@ class HandOff:
             global _unreachable_until
             _unreachable_until = time.monotonic() + UNREACHABLE_FOR
             _warn_once(f"{exc}; checkouts sell the direct way until it is back")
+            self._not_sent()
             return False
+        if self.sent is not None:
+            self.sent()
         return True
+
+    def _not_sent(self) -> None:
+        if self.not_sent is not None:
+            self.not_sent()
 
 
 _warned: set[str] = set()
@@ -510,9 +534,16 @@ class _Buyer:
             pass
         self.sock.close()
 
+    @property
+    def sale(self) -> dict[str, Any]:
+        """The sale of a request to take (`sale_request`) or of a holder's (`write_request`)."""
+        sale = self.request.get("sale") or self.request["write"]
+        assert isinstance(sale, dict)
+        return sale
+
     def created(self, answer: dict[str, Any]) -> None:
         """201: the order as `selectors.checkout_payload` renders it."""
-        sale = self.request["sale"]
+        sale = self.sale
         payload = {
             "order": sale["public_id"],
             "sku": self.request["sku"],
@@ -872,14 +903,17 @@ class SaleWriter:
 
     def _answer_directly(self, buyer: _Buyer, answer: dict[str, Any]) -> None:
         """A handed-off checkout the batch did not sell (in one of the writer's threads). A
-        batch that failed may have committed it: that is answered `503 busy` (a retry finds
-        the order by its key, if it has one), as a waiting buyer is. Otherwise the units it
-        took go back, and it is sold the direct way, the answer being the API's."""
+        shard holder's locks are released first (its process has moved on). A batch that
+        failed may have committed it: that is answered `503 busy` (a retry finds the order by
+        its key, if it has one), as a waiting buyer is. Otherwise the units a take got go back,
+        and it is sold the direct way, the answer being the API's."""
         from .api import answer_checkout, checkout_error_response
 
         request = buyer.request
         try:
             close_old_connections()
+            if "write" in request:
+                self._release_holder(request.get("release"))
             if answer["o"] == "failed":
                 busy = Busy(
                     f"{request['sku']}: the sale writer's batch failed",
@@ -887,13 +921,14 @@ class SaleWriter:
                 )
                 response = checkout_error_response(busy)
             else:
-                self._give_back(request, answer.get("rows"))
+                if "write" not in request:
+                    self._give_back(request, answer.get("rows"))
                 with direct_only():
                     response, _ = answer_checkout(
                         sku=request["sku"],
                         qty=request["qty"],
-                        buyer=request["sale"]["buyer"],
-                        idempotency_key=request["sale"].get("key"),
+                        buyer=buyer.sale["buyer"],
+                        idempotency_key=buyer.sale.get("key"),
                     )
             buyer.respond(response.status_code, response.content, response.items())
             if buyer.rest:
@@ -905,6 +940,21 @@ class SaleWriter:
                 buyer.finish()
         finally:
             close_old_connections()
+
+    def _release_holder(self, release: Any) -> None:
+        """Release a handed-off holder's locks ({index: [name, token, hint]}) by its tokens,
+        each to its first waiter, leaving the hints as they are (a hint too high is corrected
+        by the next sale the database refuses). A lock no longer held by that token is left
+        alone; when Redis fails, the locks expire."""
+        for name, token, _ in (release or {}).values():
+            lock = Lock(self._counter.redis, name)
+            lock.local.token = token.encode()
+            try:
+                lock.release()
+            except LockError:
+                pass  # expired, or released already
+            except REDIS_DOWN_ERRORS as exc:
+                logger.warning("sale writer: could not release %s (%s)", name, exc)
 
     def _give_back(self, request: dict[str, Any], rows: dict[str, int] | None) -> None:
         """The units a take got for a request the batch did not sell, back to their counters."""

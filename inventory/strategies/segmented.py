@@ -28,6 +28,7 @@ import logging
 import random
 import time
 import uuid
+from typing import Any, NoReturn
 
 from django.conf import settings
 
@@ -268,12 +269,12 @@ class SegmentedStrategy(StockStrategy):
         sale_writer = writer.client()
         if sale_writer is None:
             return None
+        releases = plumbing.writer_releases(item, {index: locks[index] for index in plan})
         request = writer.write_request(
-            record.request(served_by=self.name),
-            plan,
-            shard_fences,
-            plumbing.writer_releases(item, {index: locks[index] for index in plan}),
+            record.request(served_by=self.name), plan, shard_fences, releases
         )
+        if writer.may_hand_off() and not record.idempotency_key and set(releases) == set(plan):
+            self._hand_off(item, request, {index: locks.pop(index) for index in plan})
         try:
             answer = plumbing.ask_writer(sale_writer, request, item.sku)
         except writer.WriterUnavailable:
@@ -296,6 +297,26 @@ class SegmentedStrategy(StockStrategy):
         if outcome == "invalid":
             raise RuntimeError(f"the sale writer refused the request: {answer.get('e')}")
         return None  # again: nothing was written
+
+    @staticmethod
+    def _hand_off(item: Item, request: dict[str, Any], held: dict[int, Lock]) -> NoReturn:
+        """Give the sale, its locks and the client's connection to the writer (`shop.handoff`):
+        it releases the locks after the commit (or, when its batch does not sell it, before
+        selling it the direct way) and answers the client. The locks have left the caller's
+        `locks`: once the writer has the sale they are forgotten here; if nothing could be
+        sent, released here, and the request is served again the direct way."""
+
+        def sent() -> None:
+            for lock in held.values():
+                plumbing.released_by_writer(lock)
+
+        def not_sent() -> None:
+            release_with_hints(item, dict(reversed(held.items())), {})
+
+        qty = sum(request["write"]["rows"].values())
+        raise writer.HandedOff(
+            {**request, "sku": item.sku, "qty": qty}, sent=sent, not_sent=not_sent
+        )
 
     def _write_hints_quietly(self, item: Item, rows: dict[int, StockRow]) -> None:
         try:
