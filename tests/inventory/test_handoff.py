@@ -1,7 +1,8 @@
-"""A `lua` checkout handed to the sale writer with its client's connection (`shop.handoff`): the
-web process sends the sale and the connection and takes its next request; the writer answers
-the client once the order row is committed, or as a direct checkout would when its batch did
-not sell it. Real gunicorn, a real writer process, real sockets."""
+"""A `lua` checkout, or a `segmented` shard's holder, handed to the sale writer with its client's
+connection (`shop.handoff`): the web process sends the sale (and the holder's locks) and the
+connection and takes its next request; the writer answers the client once the order row is
+committed (releasing the locks), or as a direct checkout would when its batch did not sell it.
+Real gunicorn, a real writer process, real sockets."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 
 from inventory import keys
 from inventory.models import Item, Order
+from inventory.redis_client import get_redis_client
 from inventory.selectors import audit_sale
 from inventory.services import start_sale
 from inventory.strategies import plumbing
@@ -62,33 +64,53 @@ def _post(url: str, body: dict) -> tuple[int, dict[str, str], dict]:
         connection.close()
 
 
+def _no_lock_held(sku: str) -> bool:
+    """Whether every shard lock of sku's sale is free (a hand-off leaves none behind)."""
+    return get_redis_client().exists(*keys.shard_locks(Item.objects.get(sku=sku))) == 0
+
+
 def _stats_delta(writer_process, before: dict) -> dict:
     after = writer_stats(writer_process.path)
     return {key: after[key] - before[key] for key in ("answered", "answered_directly", "sales")}
 
 
-def test_a_handed_off_flood_sells_exactly_the_stock_and_the_writer_answers_every_buyer(
-    shop, writer_process
+@pytest.mark.parametrize("strategy", ["lua", "segmented"])
+def test_a_handed_off_flood_sells_exactly_the_stock_and_the_writer_answers_the_buyers(
+    shop, writer_process, strategy
 ):
     before = writer_stats(writer_process.path)
     for _ in range(ROUNDS):
-        # Given a lua sale on a server whose checkouts hand their connections to the writer
+        # Given a sale on a server whose checkouts hand their connections to the writer
         sku = f"handoff-{uuid.uuid4().hex[:8]}"
-        start_sale(sku=sku, stock=STOCK, strategy="lua")
+        start_sale(sku=sku, stock=STOCK, strategy=strategy)
 
         # When a crowd larger than the stock buys, many at a time, without idempotency keys
         # Then exactly the stock is sold, each 201 a committed order, every other answer sold out
         flood_sells_exactly_the_stock(shop.url, sku, stock=STOCK, attempts=ATTEMPTS, buyers=BUYERS)
+        # and no shard lock was left held
+        assert _no_lock_held(sku)
 
-    # and the writer answered every one of those buyers itself, none the direct way
     delta = _stats_delta(writer_process, before)
-    assert delta == {"answered": ROUNDS * ATTEMPTS, "answered_directly": 0, "sales": ROUNDS * STOCK}
+    if strategy == "lua":
+        # and the writer answered every one of those buyers itself, none the direct way
+        assert delta == {
+            "answered": ROUNDS * ATTEMPTS,
+            "answered_directly": 0,
+            "sales": ROUNDS * STOCK,
+        }
+    else:
+        # and the writer answered the holders it was handed: those it wrote, and those whose
+        # batch was refused (a row short at the sell-out), which it sold the direct way;
+        # holders that found every shard empty were answered sold out by their web process
+        assert delta["answered"] == delta["sales"] + delta["answered_directly"]
+        assert ROUNDS * STOCK * 3 // 4 <= delta["sales"] <= ROUNDS * STOCK
 
 
-def test_each_201_of_the_writer_names_an_order_already_committed(shop):
-    # Given a lua sale
+@pytest.mark.parametrize("strategy", ["lua", "segmented"])
+def test_each_201_of_the_writer_names_an_order_already_committed(shop, strategy):
+    # Given a sale
     sku = f"committed-{uuid.uuid4().hex[:8]}"
-    start_sale(sku=sku, stock=STOCK, strategy="lua")
+    start_sale(sku=sku, stock=STOCK, strategy=strategy)
     dsn = test_database_url()
     missing: list[str] = []
     answers: list[int] = []
@@ -152,10 +174,13 @@ def test_the_writer_s_answers_are_the_api_s(shop):
     assert sold_out_handed[0] == 409 and sold_out_handed[2] == sold_out_waited[2]
 
 
-def test_a_refusal_of_the_batch_is_answered_as_a_direct_checkout_would_be(shop, writer_process):
-    # Given a lua sale with a per-buyer limit of one
+@pytest.mark.parametrize("strategy", ["lua", "segmented"])
+def test_a_refusal_of_the_batch_is_answered_as_a_direct_checkout_would_be(
+    shop, writer_process, strategy
+):
+    # Given a sale with a per-buyer limit of one
     sku = f"limit-{uuid.uuid4().hex[:8]}"
-    start_sale(sku=sku, stock=10, strategy="lua", limit=1)
+    start_sale(sku=sku, stock=10, strategy=strategy, limit=1)
     before = writer_stats(writer_process.path)
 
     # When a buyer checks out twice, without a key
@@ -163,10 +188,12 @@ def test_a_refusal_of_the_batch_is_answered_as_a_direct_checkout_would_be(shop, 
     second = _post(shop.url, {"sku": sku, "qty": 1, "buyer": "once"})
 
     # Then the second is refused by the database's limit, answered by one of the writer's
-    # threads with the API's error, and its unit went back to Redis
+    # threads with the API's error (a holder's lock released first), and Redis agrees with the
+    # database
     assert first[0] == 201
     assert second[0] == 409 and second[2]["error"] == "limit_reached", second
     assert _stats_delta(writer_process, before)["answered_directly"] == 1
+    assert _no_lock_held(sku)
     audit = audit_sale(sku)
     assert audit["accepted_units"] == 1 and audit["db_stock"] == 9, audit
     assert audit["redis_stock"] == 9 and audit["consistent"], audit
@@ -197,17 +224,19 @@ def test_redis_granting_too_much_to_handed_off_checkouts_oversells_nothing(shop,
     assert audit["redis_stock"] == 0 and audit["consistent"], audit
 
 
-def test_with_no_writer_listening_a_checkout_is_served_the_direct_way(tmp_path):
+@pytest.mark.parametrize("strategy", ["lua", "segmented"])
+def test_with_no_writer_listening_a_checkout_is_served_the_direct_way(tmp_path, strategy):
     # Given a server configured with a writer that is not there
     server = start_shop(FLASHSALE_SALE_WRITER=str(tmp_path / "nobody.sock"))
     try:
         sku = f"nowriter-{uuid.uuid4().hex[:8]}"
-        start_sale(sku=sku, stock=STOCK, strategy="lua")
+        start_sale(sku=sku, stock=STOCK, strategy=strategy)
 
         # When a crowd buys it out
-        # Then each checkout is served again in its web process, the direct way: exactly the
-        # stock sold, no answer lost
+        # Then each checkout is served again in its web process, the direct way (a holder's
+        # locks released, not left to expire): exactly the stock sold, no answer lost
         flood_sells_exactly_the_stock(server.url, sku, stock=STOCK, attempts=ATTEMPTS, buyers=8)
+        assert _no_lock_held(sku)
     finally:
         server.stop()
 
