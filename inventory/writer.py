@@ -896,24 +896,26 @@ class SaleWriter:
             buyer.refused(refusal.code, refusal.detail, refusal.status)
         else:
             self.answered_directly += 1
+            if "write" in buyer.request:
+                # Here, not in the thread: the threads' own checkouts may wait for these
+                # locks, and a release queued behind them would come too late.
+                self._release_holder(buyer.request.get("release"))
             self._directly.submit(self._answer_directly, buyer, answer)
             return
         if buyer.rest:
             self._directly.submit(buyer.finish)
 
     def _answer_directly(self, buyer: _Buyer, answer: dict[str, Any]) -> None:
-        """A handed-off checkout the batch did not sell (in one of the writer's threads). A
-        shard holder's locks are released first (its process has moved on). A batch that
-        failed may have committed it: that is answered `503 busy` (a retry finds the order by
-        its key, if it has one), as a waiting buyer is. Otherwise the units a take got go back,
-        and it is sold the direct way, the answer being the API's."""
+        """A handed-off checkout the batch did not sell (in one of the writer's threads; a
+        shard holder's locks were released already, `_respond`). A batch that failed may have
+        committed it: that is answered `503 busy` (a retry finds the order by its key, if it
+        has one), as a waiting buyer is. Otherwise the units a take got go back, and it is sold
+        the direct way, the answer being the API's."""
         from .api import answer_checkout, checkout_error_response
 
         request = buyer.request
         try:
             close_old_connections()
-            if "write" in request:
-                self._release_holder(request.get("release"))
             if answer["o"] == "failed":
                 busy = Busy(
                     f"{request['sku']}: the sale writer's batch failed",
@@ -939,7 +941,8 @@ class SaleWriter:
             if buyer.rest:
                 buyer.finish()
         finally:
-            close_old_connections()
+            # A rare path: its connections are not kept (the writer's own stay its only ones).
+            connections.close_all()
 
     def _release_holder(self, release: Any) -> None:
         """Release a handed-off holder's locks ({index: [name, token, hint]}) by its tokens,

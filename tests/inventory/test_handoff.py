@@ -6,8 +6,10 @@ Real gunicorn, a real writer process, real sockets."""
 
 from __future__ import annotations
 
+import array
 import http.client
 import json
+import socket
 import threading
 import uuid
 from urllib.parse import urlsplit
@@ -15,17 +17,18 @@ from urllib.parse import urlsplit
 import psycopg
 import pytest
 
-from inventory import keys
-from inventory.models import Item, Order
+from inventory import keys, writer
+from inventory.models import Item, Order, StockShard
 from inventory.redis_client import get_redis_client
 from inventory.selectors import audit_sale
 from inventory.services import start_sale
-from inventory.strategies import plumbing
+from inventory.stock import StockRow, shard_rows
+from inventory.strategies import plumbing, segmented
 from inventory.writer import writer_stats
 from loadtest.flood import flood
 from shop.processes.ports import free_port
 from shop.processes.servers import SaleWriter as SaleWriterProcess
-from tests.conftest import server_env, start_shop, test_database_url
+from tests.conftest import server_env, start_shop, test_database_url, wait_until
 from tests.support import NGINX, flood_sells_exactly_the_stock, nginx_serving, nginx_site
 
 STOCK = 60
@@ -254,3 +257,81 @@ def test_behind_the_proxy_the_writer_answers_nginx_s_connections(shop, writer_pr
         # Then exactly the stock is sold, every answer whole, and the writer answered them
         flood_sells_exactly_the_stock(url, sku, stock=STOCK, attempts=ATTEMPTS, buyers=BUYERS)
     assert _stats_delta(writer_process, before)["answered"] == ATTEMPTS
+
+
+def test_holders_refused_by_their_batch_leave_no_lock_behind_them(shop, writer_process):
+    # Given a segmented sale whose shard hints say 3x what its rows hold, at a version no copy
+    # from the database replaces: every holder picks a shard, and once its units are gone its
+    # batch finds the row short, and so does its direct sale after it
+    sku = f"short-{uuid.uuid4().hex[:8]}"
+    start_sale(sku=sku, stock=20, strategy="segmented")
+    item = Item.objects.get(sku=sku)
+    rows = shard_rows(item.current_sale_id)
+    stuck = {
+        i: StockRow(stock=3 * row.stock, version=row.version + 10**9) for i, row in rows.items()
+    }
+    plumbing.write_hints(item, stuck, force=True)
+    before = writer_stats(writer_process.path)
+
+    # When a crowd handed to the writer buys more than the stock, many at a time
+    result = flood(shop.url, sku, attempts=200, concurrency=BUYERS)
+
+    # Then the refused holders' locks were released before anyone waited on them for long:
+    # no buyer was answered busy, exactly the stock was sold, and no lock is left held
+    context = f"{dict(result.statuses)} {dict(result.errors)}"
+    assert result.transport_failures == 0 and result.server_errors == 0, context
+    assert result.accepted == 20 and result.errors == {"sold_out": 180}, context
+    assert _stats_delta(writer_process, before)["answered_directly"] > 0
+    assert _no_lock_held(sku)
+    audit = audit_sale(sku)
+    assert audit["oversold"] == 0 and audit["db_stock"] == 0, audit
+
+
+def test_a_refused_holder_s_lock_is_released_while_the_writer_s_threads_are_busy(writer_in_thread):
+    # Given a segmented sale whose rows have accepted a later token than any lock's (a holder's
+    # batch refuses its sale), and every thread of the writer busy
+    start_sale(sku="widget", stock=20, strategy="segmented")
+    item = Item.objects.get(sku="widget")
+    StockShard.objects.filter(sale_id=item.current_sale_id).update(fence=2**62)
+    gate = threading.Event()
+    for _ in range(writer.DIRECT_THREADS):
+        writer_in_thread._directly.submit(gate.wait, 30)
+
+    # When the holder of shard 0 hands its sale, its lock and its client's connection over
+    holder = segmented.shard_lock(item, 0)
+    assert holder.acquire(blocking=False)
+    sale = {
+        "public_id": str(uuid.uuid4()), "item": item.pk, "sale": item.current_sale_id, "qty": 1,
+        "buyer": "ann", "key": None, "limit": None, "served_by": "segmented", "fallback": False,
+    }  # fmt: skip
+    releases = plumbing.writer_releases(item, {0: holder})
+    request = {
+        **writer.write_request(sale, {0: 1}, {0: holder.fence}, releases),
+        "sku": "widget",
+        "qty": 1,
+        "reply": {"version": "HTTP/1.1", "server": "test", "headers": []},
+    }
+    client, handed = socket.socketpair()
+    client.settimeout(10)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(writer_in_thread.path)
+        fds = array.array("i", [handed.fileno()])
+        conn.sendmsg(
+            [json.dumps(request).encode() + b"\n"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)]
+        )
+        handed.close()
+        holder.released_elsewhere()
+
+        # Then its lock is released at once by the writer's own thread, well within the
+        # lock's lifetime, though no other thread is free to sell the checkout
+        redis_client = get_redis_client()
+        assert wait_until(lambda: not redis_client.exists(holder.name), timeout=1, interval=0.01)
+
+    # and once a thread is free, the client is answered as a direct checkout would be (the
+    # rows refuse every token: busy), nothing sold
+    gate.set()
+    answer = client.recv(65536)
+    client.close()
+    assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n"), answer
+    assert b'"error": "busy"' in answer
+    assert Order.objects.count() == 0
