@@ -47,13 +47,14 @@ it, as for a direct checkout.
 The protocol is one JSON object per line each way; one request at a time per connection.
 A request to take is `sale_request`'s, one to write as it is `write_request`'s.
 
-A `lua` checkout served by `shop.handoff.HandOffWorker` (the shop's gunicorn worker) need not
-wait at all: its request goes with the client's connection (`HandOff`: a `reply` field, and the
-connection's descriptor passed with the line, SCM_RIGHTS) and is answered nothing on this
-socket; the writer answers the client itself (`_Buyer`): 201 once the order row is committed,
-409 when sold out, and for every rarer outcome what a checkout sold the direct way answers,
-run in one of its threads (`_answer_directly`). Checkouts with an idempotency key still wait:
-a retry of theirs must find the order or a `503 busy`, never a dropped connection.
+A `lua` checkout, or a `segmented` holder whose locks the writer can release, served by
+`shop.handoff.HandOffWorker` (the shop's gunicorn worker) need not wait at all: its request
+goes with the client's connection (`HandOff`: a `reply` field, and the connection's descriptor
+passed with the line, SCM_RIGHTS) and is answered nothing on this socket; the writer answers
+the client itself (`_Buyer`): 201 once the order row is committed (a holder's locks released
+first), 409 when sold out, and for every rarer outcome what a checkout sold the direct way
+answers, run in one of its threads (`_answer_directly`). Checkouts with an idempotency key
+still wait: a retry of theirs must find the order or a `503 busy`, never a dropped connection.
 """
 
 from __future__ import annotations
@@ -444,10 +445,6 @@ class _Connection:
     fds: list[int] = field(default_factory=list)
 
 
-#: Outcomes a buyer's connection is answered with by the writer's own thread; any other is
-#: answered in one of its threads (`SaleWriter._answer_directly`).
-_ANSWERED_AT_ONCE = ("sold", "sold_out")
-
 _date: tuple[int, str] = (0, "")
 
 
@@ -495,7 +492,7 @@ class _Buyer:
 
     def respond(self, status: int, content: bytes, headers: Iterable[tuple[str, str]]) -> None:
         """Send the answer (its own headers, then the middleware's) and close the connection.
-        What the socket does not take at once is sent in `_finish` (the caller's choice of
+        What the socket does not take at once is sent by `finish` (the caller's choice of
         thread: `SaleWriter._respond`)."""
         lines = [
             f"{self.version} {status} {HTTPStatus(status).phrase}\r\n",

@@ -27,8 +27,7 @@ from inventory.strategies import plumbing, segmented
 from inventory.writer import writer_stats
 from loadtest.flood import flood
 from shop.processes.ports import free_port
-from shop.processes.servers import SaleWriter as SaleWriterProcess
-from tests.conftest import server_env, start_shop, test_database_url, wait_until
+from tests.conftest import start_shop, test_database_url, wait_until
 from tests.support import NGINX, flood_sells_exactly_the_stock, nginx_serving, nginx_site
 
 STOCK = 60
@@ -37,20 +36,6 @@ ATTEMPTS = 200
 ROUNDS = 3
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(scope="module")
-def writer_process(django_db_setup, django_db_blocker):
-    writer = SaleWriterProcess(server_env()).start()
-    yield writer
-    writer.stop()
-
-
-@pytest.fixture(scope="module")
-def shop(writer_process):
-    server = start_shop(**writer_process.env())
-    yield server
-    server.stop()
 
 
 def _post(url: str, body: dict) -> tuple[int, dict[str, str], dict]:
@@ -79,7 +64,7 @@ def _stats_delta(writer_process, before: dict) -> dict:
 
 @pytest.mark.parametrize("strategy", ["lua", "segmented"])
 def test_a_handed_off_flood_sells_exactly_the_stock_and_the_writer_answers_the_buyers(
-    shop, writer_process, strategy
+    writer_shop, writer_process, strategy
 ):
     before = writer_stats(writer_process.path)
     for _ in range(ROUNDS):
@@ -89,7 +74,9 @@ def test_a_handed_off_flood_sells_exactly_the_stock_and_the_writer_answers_the_b
 
         # When a crowd larger than the stock buys, many at a time, without idempotency keys
         # Then exactly the stock is sold, each 201 a committed order, every other answer sold out
-        flood_sells_exactly_the_stock(shop.url, sku, stock=STOCK, attempts=ATTEMPTS, buyers=BUYERS)
+        flood_sells_exactly_the_stock(
+            writer_shop.url, sku, stock=STOCK, attempts=ATTEMPTS, buyers=BUYERS
+        )
         # and no shard lock was left held
         assert _no_lock_held(sku)
 
@@ -110,7 +97,7 @@ def test_a_handed_off_flood_sells_exactly_the_stock_and_the_writer_answers_the_b
 
 
 @pytest.mark.parametrize("strategy", ["lua", "segmented"])
-def test_each_201_of_the_writer_names_an_order_already_committed(shop, strategy):
+def test_each_201_of_the_writer_names_an_order_already_committed(writer_shop, strategy):
     # Given a sale
     sku = f"committed-{uuid.uuid4().hex[:8]}"
     start_sale(sku=sku, stock=STOCK, strategy=strategy)
@@ -123,7 +110,7 @@ def test_each_201_of_the_writer_names_an_order_already_committed(shop, strategy)
         with psycopg.connect(dsn, autocommit=True) as database:
             for attempt in range(ATTEMPTS // BUYERS + 1):
                 status, _, payload = _post(
-                    shop.url, {"sku": sku, "qty": 1, "buyer": f"c-{worker}-{attempt}"}
+                    writer_shop.url, {"sku": sku, "qty": 1, "buyer": f"c-{worker}-{attempt}"}
                 )
                 answers.append(status)
                 if status != 201:
@@ -145,16 +132,18 @@ def test_each_201_of_the_writer_names_an_order_already_committed(shop, strategy)
     assert missing == []
 
 
-def test_the_writer_s_answers_are_the_api_s(shop):
+def test_the_writer_s_answers_are_the_api_s(writer_shop):
     # Given a lua sale of two units
     sku = f"same-{uuid.uuid4().hex[:8]}"
     start_sale(sku=sku, stock=2, strategy="lua")
 
     # When one buyer checks out without a key (handed off) and one with a key (waits)
-    handed = _post(shop.url, {"sku": sku, "qty": 1, "buyer": "a"})
-    waited = _post(shop.url, {"sku": sku, "qty": 1, "buyer": "b", "idempotency_key": "k-b"})
-    sold_out_handed = _post(shop.url, {"sku": sku, "qty": 1, "buyer": "c"})
-    sold_out_waited = _post(shop.url, {"sku": sku, "qty": 1, "buyer": "d", "idempotency_key": "k"})
+    handed = _post(writer_shop.url, {"sku": sku, "qty": 1, "buyer": "a"})
+    waited = _post(writer_shop.url, {"sku": sku, "qty": 1, "buyer": "b", "idempotency_key": "k-b"})
+    sold_out_handed = _post(writer_shop.url, {"sku": sku, "qty": 1, "buyer": "c"})
+    sold_out_waited = _post(
+        writer_shop.url, {"sku": sku, "qty": 1, "buyer": "d", "idempotency_key": "k"}
+    )
 
     # Then both answers have the same status, headers and body, but for the values that name
     # the order
@@ -179,7 +168,7 @@ def test_the_writer_s_answers_are_the_api_s(shop):
 
 @pytest.mark.parametrize("strategy", ["lua", "segmented"])
 def test_a_refusal_of_the_batch_is_answered_as_a_direct_checkout_would_be(
-    shop, writer_process, strategy
+    writer_shop, writer_process, strategy
 ):
     # Given a sale with a per-buyer limit of one
     sku = f"limit-{uuid.uuid4().hex[:8]}"
@@ -187,8 +176,8 @@ def test_a_refusal_of_the_batch_is_answered_as_a_direct_checkout_would_be(
     before = writer_stats(writer_process.path)
 
     # When a buyer checks out twice, without a key
-    first = _post(shop.url, {"sku": sku, "qty": 1, "buyer": "once"})
-    second = _post(shop.url, {"sku": sku, "qty": 1, "buyer": "once"})
+    first = _post(writer_shop.url, {"sku": sku, "qty": 1, "buyer": "once"})
+    second = _post(writer_shop.url, {"sku": sku, "qty": 1, "buyer": "once"})
 
     # Then the second is refused by the database's limit, answered by one of the writer's
     # threads with the API's error (a holder's lock released first), and Redis agrees with the
@@ -202,7 +191,9 @@ def test_a_refusal_of_the_batch_is_answered_as_a_direct_checkout_would_be(
     assert audit["redis_stock"] == 9 and audit["consistent"], audit
 
 
-def test_redis_granting_too_much_to_handed_off_checkouts_oversells_nothing(shop, writer_process):
+def test_redis_granting_too_much_to_handed_off_checkouts_oversells_nothing(
+    writer_shop, writer_process
+):
     # Given a lua sale whose Redis counters say 3x what its stock rows hold
     sku = f"toohigh-{uuid.uuid4().hex[:8]}"
     start_sale(sku=sku, stock=20, strategy="lua")
@@ -214,7 +205,7 @@ def test_redis_granting_too_much_to_handed_off_checkouts_oversells_nothing(shop,
     before = writer_stats(writer_process.path)
 
     # When a crowd handed to the writer buys more than the stock
-    result = flood(shop.url, sku, attempts=80, concurrency=8)
+    result = flood(writer_shop.url, sku, attempts=80, concurrency=8)
 
     # Then the database sold its 20 units and not one more; the batches it refused were sold
     # again the direct way, and Redis was set right
@@ -245,10 +236,12 @@ def test_with_no_writer_listening_a_checkout_is_served_the_direct_way(tmp_path, 
 
 
 @pytest.mark.skipif(NGINX is None, reason="no nginx on this machine (make nginx)")
-def test_behind_the_proxy_the_writer_answers_nginx_s_connections(shop, writer_process, tmp_path):
+def test_behind_the_proxy_the_writer_answers_nginx_s_connections(
+    writer_shop, writer_process, tmp_path
+):
     # Given the shop behind deploy/nginx.conf, which reads each answer whole and closes
     port = free_port()
-    with nginx_serving(nginx_site(shop.port, port), tmp_path, port) as url:
+    with nginx_serving(nginx_site(writer_shop.port, port), tmp_path, port) as url:
         sku = f"proxied-{uuid.uuid4().hex[:8]}"
         start_sale(sku=sku, stock=STOCK, strategy="lua")
         before = writer_stats(writer_process.path)
@@ -259,7 +252,7 @@ def test_behind_the_proxy_the_writer_answers_nginx_s_connections(shop, writer_pr
     assert _stats_delta(writer_process, before)["answered"] == ATTEMPTS
 
 
-def test_holders_refused_by_their_batch_leave_no_lock_behind_them(shop, writer_process):
+def test_holders_refused_by_their_batch_leave_no_lock_behind_them(writer_shop, writer_process):
     # Given a segmented sale whose shard hints say 3x what its rows hold, at a version no copy
     # from the database replaces: every holder picks a shard, and once its units are gone its
     # batch finds the row short, and so does its direct sale after it
@@ -274,7 +267,7 @@ def test_holders_refused_by_their_batch_leave_no_lock_behind_them(shop, writer_p
     before = writer_stats(writer_process.path)
 
     # When a crowd handed to the writer buys more than the stock, many at a time
-    result = flood(shop.url, sku, attempts=200, concurrency=BUYERS)
+    result = flood(writer_shop.url, sku, attempts=200, concurrency=BUYERS)
 
     # Then the refused holders' locks were released before anyone waited on them for long:
     # no buyer was answered busy, exactly the stock was sold, and no lock is left held

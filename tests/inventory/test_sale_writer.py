@@ -46,20 +46,6 @@ ROUNDS = 3
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-@pytest.fixture(scope="module")
-def writer_process(django_db_setup, django_db_blocker):
-    writer = SaleWriterProcess(server_env()).start()
-    yield writer
-    writer.stop()
-
-
-@pytest.fixture(scope="module")
-def writer_shop(writer_process):
-    server = start_shop(**writer_process.env())
-    yield server
-    server.stop()
-
-
 @pytest.mark.parametrize("strategy", ["lua", "segmented"])
 def test_a_flood_through_the_writer_sells_exactly_the_stock_in_shared_commits(
     writer_shop, writer_process, strategy
