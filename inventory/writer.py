@@ -570,11 +570,22 @@ class _Sale:
     release: dict[str, list[str]] | None = None
 
 
-class SaleWriter:
-    """Serves buyers on a unix socket until `stop()`; then answers what it has taken."""
+#: Sells a checkout the direct way and renders the API's answer (`inventory.api.answer_checkout`,
+#: given to the writer by whoever starts it: the API's module sits above this one).
+AnswerCheckout = Callable[..., tuple[Any, str]]
 
-    def __init__(self, path: str, *, batch: int | None = None) -> None:
+
+class SaleWriter:
+    """Serves buyers on a unix socket until `stop()`; then answers what it has taken.
+
+    `answer`: how its threads answer a handed-off checkout its batch did not sell
+    (`inventory.api.answer_checkout`); without one, such checkouts are answered `503 busy`."""
+
+    def __init__(
+        self, path: str, *, batch: int | None = None, answer: AnswerCheckout | None = None
+    ) -> None:
         self.path = path
+        self.answer = answer
         self.batch = batch or settings.FLASHSALE_GROUP_COMMIT_BATCH
         self.sales = 0
         self.batches = 0
@@ -908,28 +919,28 @@ class SaleWriter:
         committed it: that is answered `503 busy` (a retry finds the order by its key, if it
         has one), as a waiting buyer is. Otherwise the units a take got go back, and it is sold
         the direct way, the answer being the API's."""
-        from .api import answer_checkout, checkout_error_response
-
         request = buyer.request
         try:
             close_old_connections()
-            if answer["o"] == "failed":
+            if "write" not in request and answer["o"] != "failed":
+                self._give_back(request, answer.get("rows"))
+            if answer["o"] == "failed" or self.answer is None:
+                why = "its batch failed" if answer["o"] == "failed" else "it cannot sell it"
                 busy = Busy(
-                    f"{request['sku']}: the sale writer's batch failed",
+                    f"{request['sku']}: the sale writer's {why}",
                     retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
                 )
-                response = checkout_error_response(busy)
+                retry = [("Retry-After", str(busy.retry_after))]
+                buyer.refused(busy.code, busy.detail, busy.status, retry)
             else:
-                if "write" not in request:
-                    self._give_back(request, answer.get("rows"))
                 with direct_only():
-                    response, _ = answer_checkout(
+                    response, _ = self.answer(
                         sku=request["sku"],
                         qty=request["qty"],
                         buyer=buyer.sale["buyer"],
                         idempotency_key=buyer.sale.get("key"),
                     )
-            buyer.respond(response.status_code, response.content, response.items())
+                buyer.respond(response.status_code, response.content, response.items())
             if buyer.rest:
                 buyer.finish()
         except Exception:

@@ -174,9 +174,10 @@ def _socket_path() -> str:
 def writer_in_thread(path: str | None = None) -> Iterator[Any]:
     """A sale writer serving `path` (default: a new socket) in a thread of the test process,
     stopped and joined afterwards."""
+    from inventory.api import answer_checkout
     from inventory.writer import SaleWriter
 
-    writer = SaleWriter(path or _socket_path())
+    writer = SaleWriter(path or _socket_path(), answer=answer_checkout)
     ready = threading.Event()
     thread = threading.Thread(target=writer.serve_forever, kwargs={"ready": ready.set})
     thread.start()

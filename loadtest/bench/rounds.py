@@ -78,12 +78,13 @@ def _serve_sales(path: str, ready: Any) -> None:
 
     from django.conf import settings
 
+    from inventory.api import answer_checkout
     from inventory.writer import SaleWriter, take_priority
 
     refused = take_priority(settings.FLASHSALE_SALE_WRITER_NICE)
     if refused:
         print(f"warning: {refused}", flush=True)
-    writer = SaleWriter(path)
+    writer = SaleWriter(path, answer=answer_checkout)
     signal.signal(signal.SIGTERM, lambda *_: writer.stop())
     writer.serve_forever(ready=ready.set)
 

@@ -7,11 +7,13 @@ Real gunicorn, a real writer process, real sockets."""
 from __future__ import annotations
 
 import array
+import contextlib
 import http.client
 import json
 import socket
 import threading
 import uuid
+from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import psycopg
@@ -21,8 +23,8 @@ from inventory import keys, writer
 from inventory.models import Item, Order, StockShard
 from inventory.redis_client import get_redis_client
 from inventory.selectors import audit_sale
-from inventory.services import start_sale
-from inventory.stock import StockRow, shard_rows
+from inventory.services import place_order, start_sale
+from inventory.stock import SaleRecorder, StockRow, shard_rows
 from inventory.strategies import plumbing, segmented
 from inventory.writer import writer_stats
 from loadtest.flood import flood
@@ -280,6 +282,27 @@ def test_holders_refused_by_their_batch_leave_no_lock_behind_them(writer_shop, w
     assert audit["oversold"] == 0 and audit["db_stock"] == 0, audit
 
 
+REPLY = {"version": "HTTP/1.1", "server": "test", "headers": []}
+
+
+@contextlib.contextmanager
+def _handed_by_hand(path: str, request: dict) -> Iterator[socket.socket]:
+    """Hand `request` to the writer on `path` as the shop's worker does, with one end of a
+    socket pair as the client's connection; yields the other end, the client's."""
+    client, handed = socket.socketpair()
+    client.settimeout(10)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(path)
+            fds = array.array("i", [handed.fileno()])
+            line = json.dumps({**request, "reply": REPLY}).encode() + b"\n"
+            conn.sendmsg([line], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+            handed.close()
+            yield client
+    finally:
+        client.close()
+
+
 def test_a_refused_holder_s_lock_is_released_while_the_writer_s_threads_are_busy(writer_in_thread):
     # Given a segmented sale whose rows have accepted a later token than any lock's (a holder's
     # batch refuses its sale), and every thread of the writer busy
@@ -302,17 +325,8 @@ def test_a_refused_holder_s_lock_is_released_while_the_writer_s_threads_are_busy
         **writer.write_request(sale, {0: 1}, {0: holder.fence}, releases),
         "sku": "widget",
         "qty": 1,
-        "reply": {"version": "HTTP/1.1", "server": "test", "headers": []},
     }
-    client, handed = socket.socketpair()
-    client.settimeout(10)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.connect(writer_in_thread.path)
-        fds = array.array("i", [handed.fileno()])
-        conn.sendmsg(
-            [json.dumps(request).encode() + b"\n"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)]
-        )
-        handed.close()
+    with _handed_by_hand(writer_in_thread.path, request) as client:
         holder.released_elsewhere()
 
         # Then its lock is released at once by the writer's own thread, well within the
@@ -320,11 +334,38 @@ def test_a_refused_holder_s_lock_is_released_while_the_writer_s_threads_are_busy
         redis_client = get_redis_client()
         assert wait_until(lambda: not redis_client.exists(holder.name), timeout=1, interval=0.01)
 
-    # and once a thread is free, the client is answered as a direct checkout would be (the
-    # rows refuse every token: busy), nothing sold
-    gate.set()
-    answer = client.recv(65536)
-    client.close()
+        # and once a thread is free, the client is answered as a direct checkout would be (the
+        # rows refuse every token: busy), nothing sold
+        gate.set()
+        answer = client.recv(65536)
     assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n"), answer
     assert b'"error": "busy"' in answer
     assert Order.objects.count() == 0
+
+
+def test_a_writer_with_no_direct_way_answers_busy_and_gives_the_units_back(writer_in_thread):
+    # Given a writer started without a way to sell the direct way, and a lua sale whose buyer
+    # "ann" has reached her limit of one
+    writer_in_thread.answer = None
+    start_sale(sku="widget", stock=10, strategy="lua", limit=1)
+    item = Item.objects.get(sku="widget")
+    place_order(sku="widget", qty=1, buyer="ann")
+    record = SaleRecorder(item=item, qty=1, buyer="ann", idempotency_key=None, limit=1)
+    request = writer.sale_request(
+        sku="widget",
+        cursor=keys.turn(item),
+        rows=item.shard_count,
+        qty=1,
+        claim=None,
+        sale=record.request(served_by="lua"),
+    )
+
+    # When she checks out again, handed off, and her batch refuses it
+    with _handed_by_hand(writer_in_thread.path, request) as client:
+        answer = client.recv(65536)
+
+    # Then she is answered busy, and the unit the take got is back in Redis
+    assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n"), answer
+    assert b"Retry-After: " in answer and b'"error": "busy"' in answer
+    audit = audit_sale("widget")
+    assert audit["accepted_units"] == 1 and audit["db_stock"] == audit["redis_stock"] == 9, audit

@@ -131,12 +131,13 @@ class Command(BaseCommand):
 
         from django.conf import settings
 
+        from inventory.api import answer_checkout
         from inventory.writer import SaleWriter, take_priority
 
         path = options["socket"] or settings.FLASHSALE_SALE_WRITER
         if not path:
             raise CommandError("name the socket: --socket PATH, or set FLASHSALE_SALE_WRITER")
-        writer = SaleWriter(path)
+        writer = SaleWriter(path, answer=answer_checkout)
 
         def ready() -> None:
             refused = take_priority(settings.FLASHSALE_SALE_WRITER_NICE)
