@@ -131,7 +131,7 @@ def checkout(request: HttpRequest) -> JsonResponse:
         with writer.handing_off(offered):
             response, outcome = _checkout(request)
     except writer.HandedOff as handed:
-        request.META[writer.HAND_OFF] = writer.HandOff.of(handed, request.body)
+        request.META[writer.HAND_OFF] = writer.HandOff(handed, request.body)
         response, outcome = JsonResponse({}, status=202), "handed_off"
     metrics.checkout_answered(
         services.checkout_strategy.get(), outcome, time.perf_counter() - started

@@ -139,8 +139,8 @@ def may_hand_off() -> bool:
 
 @contextmanager
 def handing_off(allowed: bool) -> Iterator[None]:
-    """Within: `may_hand_off()` is `allowed`."""
-    before = may_hand_off()
+    """Within: `may_hand_off()` is `allowed` (unless the writer was just found missing)."""
+    before = getattr(_local, "hand_off", False)
     _local.hand_off = allowed
     try:
         yield
@@ -180,17 +180,12 @@ class HandedOff(Exception):  # noqa: N818 (a signal, not an error)
 
 @dataclass
 class HandOff:
-    """A checkout the worker is to send the writer with the client's connection (`send`);
-    `body` is the request's, to serve it again the direct way when nothing could be sent."""
+    """A checkout the worker is to send the writer with the client's connection (`send`):
+    what it raised, and the request's `body`, to serve it again the direct way when nothing
+    could be sent."""
 
-    request: dict[str, Any]
+    handed: HandedOff
     body: bytes
-    sent: Callable[[], None] | None = None
-    not_sent: Callable[[], None] | None = None
-
-    @classmethod
-    def of(cls, handed: HandedOff, body: bytes) -> HandOff:
-        return cls(handed.request, body, handed.sent, handed.not_sent)
 
     def send(self, sock: socket.socket, response: Any) -> bool:
         """Send the sale, the answer's headers so far (`response`: gunicorn's, after the
@@ -207,20 +202,20 @@ class HandOff:
         ]
         reply = {"version": version, "server": response.version, "headers": headers}
         try:
-            sale_writer.hand_off({**self.request, "reply": reply}, sock.fileno())
+            sale_writer.hand_off({**self.handed.request, "reply": reply}, sock.fileno())
         except WriterUnavailable as exc:
             global _unreachable_until
             _unreachable_until = time.monotonic() + UNREACHABLE_FOR
             _warn_once(f"{exc}; checkouts sell the direct way until it is back")
             self._not_sent()
             return False
-        if self.sent is not None:
-            self.sent()
+        if self.handed.sent is not None:
+            self.handed.sent()
         return True
 
     def _not_sent(self) -> None:
-        if self.not_sent is not None:
-            self.not_sent()
+        if self.handed.not_sent is not None:
+            self.handed.not_sent()
 
 
 _warned: set[str] = set()

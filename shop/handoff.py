@@ -27,7 +27,7 @@ import sys
 from datetime import datetime
 from typing import Any
 
-from gunicorn import http, util
+from gunicorn import http, sock, util
 from gunicorn.http import wsgi
 from gunicorn.workers.sync import SyncWorker
 
@@ -51,7 +51,7 @@ class HandOffWorker(SyncWorker):
         handed = False
         try:
             if self.cfg.is_ssl:
-                client = sock_ssl_wrap(client, self.cfg)
+                client = sock.ssl_wrap_socket(client, self.cfg)
             parser = http.get_parser(self.cfg, client, addr)
             req = next(parser)
             self.handle_request(listener, req, client, addr)
@@ -136,9 +136,3 @@ class HandOffWorker(SyncWorker):
                 self.cfg.post_request(self, req, environ, resp)
             except Exception:
                 self.log.exception("Exception in post_request hook")
-
-
-def sock_ssl_wrap(client: Any, cfg: Any) -> Any:
-    from gunicorn import sock
-
-    return sock.ssl_wrap_socket(client, cfg)
