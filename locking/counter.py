@@ -65,6 +65,19 @@ class Take:
             raise ValueError("a take needs at least one counter, each a key")
 
 
+@dataclass(frozen=True)
+class LockFirst:
+    """One call of :meth:`StockCounter.lock_first_holding_many`: its arguments to
+    ``lock_first_holding``."""
+
+    counters: Sequence[str]
+    locks: Sequence[str]
+    qty: int
+    start: int
+    token: str
+    ttl_ms: int
+
+
 def claim_args(claim: Claim | None) -> tuple[list[str], list[int | str]]:
     return ([], []) if claim is None else claim.script_args()
 
@@ -233,6 +246,29 @@ class StockCounter:
             args=[_positive_qty(qty), start, token, ttl_ms],
             client=self.redis,
         )
+        return self._first_holding(reply)
+
+    def lock_first_holding_many(
+        self, calls: Sequence[LockFirst]
+    ) -> list[tuple[int | None, list[int], int | None]]:
+        """Many :meth:`lock_first_holding` calls in one round trip, in order, each as if run
+        alone (a later call finds the locks an earlier one took). Not on a Redis Cluster."""
+        if is_cluster(self.redis):
+            raise ValueError("lock_first_holding_many spans slots: not on a Redis Cluster")
+        if not calls:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for call in calls:
+            if len(call.counters) != len(call.locks) or not call.counters:
+                raise ValueError("one lock per counter, and at least one of each")
+            self._lock_first(
+                keys=[*call.counters, *call.locks],
+                args=[_positive_qty(call.qty), call.start, call.token, call.ttl_ms],
+                client=pipe,
+            )
+        return [self._first_holding(reply) for reply in pipe.execute()]
+
+    def _first_holding(self, reply: list[Any]) -> tuple[int | None, list[int], int | None]:
         if reply[0] == self.MISSING:
             return None, [], None
         row = int(reply[0])

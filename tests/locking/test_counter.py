@@ -233,6 +233,34 @@ def test_lock_first_holding_locks_a_free_row_that_holds_the_quantity(
     assert row == 1 and fence4 and fence4 > fence1  # the same lock's next grant: a later fence
 
 
+def test_lock_first_holding_many_runs_each_call_in_order_in_one_round_trip(
+    r: redis.Redis, prefix: str
+) -> None:
+    from locking.counter import LockFirst
+
+    counter = StockCounter(r)
+    keys = [f"{prefix}row:{index}" for index in range(3)]
+    locks = [f"{prefix}lock:{index}" for index in range(3)]
+    missing = LockFirst(keys, locks, 1, 0, "t0", 5000)
+    assert counter.lock_first_holding_many([missing]) == [(None, [], None)]
+    counter.set_many(dict(zip(keys, [1, 3, 0], strict=True)))
+    r.set(locks[0], "someone")
+
+    # each call finds the locks of the calls before it taken: four buyers of one unit get the
+    # one free row holding it; the next waits (-1); one of 4 units finds no row holding it
+    calls = [LockFirst(keys, locks, qty, 0, f"t{n}", 5000) for n, qty in enumerate([1, 1, 4])]
+    (first, levels, fence), (second, _, none), (third, _, _) = counter.lock_first_holding_many(
+        calls
+    )
+    assert (first, levels, fence is not None) == (1, [1, 3, 0], True)
+    assert (second, none, third) == (-1, None, -1)
+    assert (r.get(locks[0]), r.get(locks[1]), r.get(locks[2])) == (b"someone", b"t0", None)
+    assert counter.lock_first_holding_many([]) == []
+    with pytest.raises(ValueError):
+        counter.lock_first_holding_many([LockFirst(keys, locks[:2], 1, 0, "t9", 5000)])
+    assert r.get(locks[2]) is None  # a call refused before anything was sent
+
+
 def test_a_claimed_take_keeps_twins_out_until_its_taker_gives_it_up(
     r: redis.Redis, prefix: str
 ) -> None:
