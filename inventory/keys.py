@@ -91,6 +91,13 @@ def sale_counters(sku: str, sale_id: int, count: int) -> tuple[str, tuple[str, .
     return _sale_counters(settings.FLASHSALE_REDIS_PREFIX, sku, sale_id, count)
 
 
+def shard_keys(sku: str, sale_id: int, count: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The hints and the locks of a `segmented` sale's shards, from what names the sale rather
+    than from its item: the sale writer builds them for the checkouts it locks shards for."""
+    prefix = settings.FLASHSALE_REDIS_PREFIX
+    return _rows(prefix, sku, sale_id, count, True), _shard_locks(prefix, sku, count)
+
+
 def claim(item: Item, idempotency_key: str) -> str:
     return sale_key(item, "claim", idempotency_key)
 

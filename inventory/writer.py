@@ -70,6 +70,7 @@ import socket
 import stat
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -83,7 +84,7 @@ from django.db import DEFAULT_DB_ALIAS, close_old_connections, connection, conne
 from redis.exceptions import ResponseError
 
 from locking import Lock, LockError, release_each_call, scripts
-from locking.counter import Claim, StockCounter, Take
+from locking.counter import Claim, LockFirst, StockCounter, Take
 
 from . import keys, publishing, stock
 from .exceptions import Busy, SoldOut
@@ -97,6 +98,11 @@ MAX_LINE = 64 * 1024
 MAX_FDS = 64
 #: Threads that answer handed-off checkouts the writer's own thread does not (`_answer_directly`).
 DIRECT_THREADS = 8
+#: How often checkouts waiting for a shard's lock (`lock_request`) try again while no batch of
+#: the writer's releases any (the locks are held by holders outside it), in seconds.
+LOCK_RETRY = 0.002
+#: The most shards a sale a `lock_request` names may have.
+MAX_SHARDS = 1024
 
 #: What a release of holders' locks may fail with: then their holders release them.
 _RELEASE_ERRORS: tuple[type[Exception], ...] = (*REDIS_DOWN_ERRORS, ResponseError)
@@ -350,6 +356,18 @@ def write_request(
     return request
 
 
+def lock_request(
+    *, sku: str, shards: int, start: int, qty: int, sale: dict[str, Any]
+) -> dict[str, Any]:
+    """What a `segmented` checkout hands off with its client's connection (`HandOff`) before it
+    holds any lock: the writer locks a shard whose hint holds `qty` for it (from shard `start`
+    on, in turn: `StockCounter.lock_first_holding`, the script a holder runs), writes the sale
+    under that lock, fenced by its token, in a batch with the others, and releases the lock
+    with the commit, the row's level copied to its hint. `shards`: how many the sale has (the
+    writer names their hints and locks itself, `keys.shard_keys`)."""
+    return {"sku": sku, "qty": qty, "lock": {"shards": shards, "start": start}, "sale": sale}
+
+
 #: The most order keys one relay (`orders_request`) may carry.
 MAX_RELAYED = 1000
 
@@ -467,6 +485,13 @@ class _Buyer:
     group: _Group | None = None
     #: What the socket did not take at once (`finish` sends it).
     rest: bytes = b""
+    #: When the writer read it (monotonic).
+    arrived: float = field(default_factory=time.monotonic)
+    #: A `lock_request`'s shards: what to lock for it (`_lock_of`).
+    shards: LockFirst | None = None
+    #: Whether it waited for a shard's lock; how long it took to get one, in seconds.
+    waited: bool = False
+    lock_wait: float | None = None
 
     @classmethod
     def of(cls, request: dict[str, Any], fd: int) -> _Buyer:
@@ -550,6 +575,9 @@ class _Buyer:
             ("Content-Type", "application/json"),
             ("Location", f"/api/orders/{sale['public_id']}"),
         ]
+        if self.lock_wait is not None:
+            # As the view reports a lock wait: from its arrival here until its shard was locked.
+            headers.append(("Server-Timing", f"lock;dur={self.lock_wait * 1000:.2f}"))
         self.respond(201, json.dumps(payload).encode(), headers)
 
     def refused(self, code: str, detail: str, status: int, headers: Iterable = ()) -> None:
@@ -625,6 +653,16 @@ class SaleWriter:
         #: Handed-off checkouts answered (`_Buyer`), and of those, how many the direct way.
         self.answered = 0
         self.answered_directly = 0
+        #: Shards locked for handed-off `segmented` checkouts (`lock_request`), and how many of
+        #: those checkouts waited for one.
+        self.locked = 0
+        self.lock_waits = 0
+        #: Those checkouts waiting for a shard's lock, in arrival order; when they try again
+        #: (at once after a batch released locks), and how long they may wait in all.
+        self._lock_waiting: list[_Buyer] = []
+        self._lock_retry_at = 0.0
+        self.lock_wait = settings.FLASHSALE_LOCK_WAIT_MS / 1000
+        self.lock_ttl_ms = settings.FLASHSALE_LOCK_TTL_MS
         self._directly = ThreadPoolExecutor(DIRECT_THREADS, thread_name_prefix="sale-writer-direct")
 
     @property
@@ -687,12 +725,18 @@ class SaleWriter:
             self._poll(writing)
         if self._pending and self._due():
             self._take()
+        elif self._lock_waiting and time.monotonic() >= self._lock_retry_at:
+            self._lock_shards([])
         self._send_what_fits()
 
     def _drain(self) -> None:
-        """On stop: answer the batch in flight, and take and write what has been read."""
+        """On stop: answer the batch in flight, and take and write what has been read (a
+        checkout still waiting for a shard's lock is answered busy)."""
         if self._pending:
             self._take()
+        for buyer in self._lock_waiting:
+            self._respond(buyer, {"o": "busy"})
+        self._lock_waiting = []
         while self._writing or self._taken:
             self._send_what_fits()
             if not self._writing:
@@ -703,7 +747,14 @@ class SaleWriter:
 
     def _timeout(self) -> float:
         """How long the next wait may last: until the linger of a group of pending requests
-        (or of a lone request) ends, else half a second (to notice `stop()`)."""
+        (or of a lone request) ends, or checkouts waiting for a shard's lock try again, else
+        half a second (to notice `stop()`)."""
+        timeout = self._pending_timeout()
+        if self._lock_waiting:
+            timeout = min(timeout, max(0.0, self._lock_retry_at - time.monotonic()))
+        return timeout
+
+    def _pending_timeout(self) -> float:
         if len(self._pending) == 1 and not self._writing:
             return max(0.0, self._pending_since + self._linger() - time.monotonic())
         if len(self._pending) < 2 or not self._writing:
@@ -876,6 +927,8 @@ class SaleWriter:
             "commit_cpu_seconds": self.commit_cpu,
             "answered": self.answered,
             "answered_directly": self.answered_directly,
+            "locked": self.locked,
+            "lock_waits": self.lock_waits,
         }
 
     def _answer(self, conn: _Connection | _Buyer, answer: dict[str, Any]) -> None:
@@ -895,7 +948,11 @@ class SaleWriter:
         if outcome == "sold":
             buyer.created(answer)
         elif outcome == "sold_out":
-            refusal = SoldOut(sku=buyer.request["sku"], requested=buyer.request["qty"])
+            refusal = SoldOut(
+                sku=buyer.request["sku"],
+                requested=buyer.request["qty"],
+                remaining=answer.get("remaining"),
+            )
             buyer.refused(refusal.code, refusal.detail, refusal.status)
         else:
             self.answered_directly += 1
@@ -919,12 +976,13 @@ class SaleWriter:
             close_old_connections()
             if "write" not in request and answer["o"] != "failed":
                 self._give_back(request, answer.get("rows"))
-            if answer["o"] == "failed" or self.answer is None:
-                why = "its batch failed" if answer["o"] == "failed" else "it cannot sell it"
-                busy = Busy(
-                    f"{request['sku']}: the sale writer's {why}",
-                    retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
-                )
+            if answer["o"] in ("failed", "busy") or self.answer is None:
+                if answer["o"] == "busy":  # as a holder's wait that ran out is answered
+                    detail = f"{request['sku']}: every shard holding {request['qty']} stayed locked"
+                else:
+                    why = "its batch failed" if answer["o"] == "failed" else "it cannot sell it"
+                    detail = f"{request['sku']}: the sale writer's {why}"
+                busy = Busy(detail, retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER)
                 retry = [("Retry-After", str(busy.retry_after))]
                 buyer.refused(busy.code, busy.detail, busy.status, retry)
             else:
@@ -980,7 +1038,18 @@ class SaleWriter:
         in `_taken` for their statement, the others are answered now."""
         arrived, self._pending = self._pending, []
         takes: list[tuple[_Connection | _Buyer, dict[str, Any], Take]] = []
+        to_lock: list[_Buyer] = []
         for conn, request in arrived:
+            if "lock" in request:  # a `segmented` checkout handed off: lock a shard for it
+                try:
+                    if not isinstance(conn, _Buyer):
+                        raise ValueError("a lock request comes with its client's connection")
+                    conn.shards = _lock_of(request, self.lock_ttl_ms)
+                except (KeyError, TypeError, ValueError) as exc:
+                    self._answer(conn, {"o": "invalid", "e": repr(exc)})
+                    continue
+                to_lock.append(conn)
+                continue
             if "write" in request:  # a lock holder's sale: its units are its rows' already
                 try:
                     self._taken.append(_Sale(conn, *_write_of(request)))
@@ -993,6 +1062,8 @@ class SaleWriter:
                 self._answer(conn, {"o": "invalid", "e": repr(exc)})
                 continue
             takes.append((conn, request, take))
+        if to_lock or self._lock_waiting:
+            self._lock_shards(to_lock)
         if not takes:
             return
         started = time.perf_counter()
@@ -1023,6 +1094,68 @@ class SaleWriter:
             else:
                 rows = {str(index): units for index, units in result.items()}
                 self._taken.append(_Sale(conn, {**request["sale"], "rows": rows}))
+
+    def _lock_shards(self, arrived: list[_Buyer]) -> None:
+        """Lock a shard for each handed-off `segmented` checkout (`lock_request`), those waiting
+        first, then those just `arrived`, in one round trip (a script each, in that order).
+        One that got its lock joins the taken sales as its holder's would (`write_request`):
+        fenced by the lock's token, the lock released with its commit. The others: sold out
+        when the hints hold fewer units than asked; sold the direct way (in a thread) when no
+        shard holds them all, or the hints are missing; else (every shard holding them is
+        locked) it waits for the next release, answered busy once FLASHSALE_LOCK_WAIT_MS since
+        its arrival is over, as a holder's wait is."""
+        now = time.monotonic()
+        waiting, self._lock_waiting = self._lock_waiting, []
+        self._lock_retry_at = now + LOCK_RETRY
+        candidates: list[_Buyer] = []
+        calls: list[LockFirst] = []
+        for buyer in (*waiting, *arrived):
+            if now >= buyer.arrived + self.lock_wait or buyer.shards is None:
+                self._respond(buyer, {"o": "busy"})
+            else:
+                candidates.append(buyer)
+                calls.append(buyer.shards)
+        if not candidates:
+            return
+        started = time.perf_counter()
+        cpu0 = time.thread_time()
+        try:
+            results = self._counter.lock_first_holding_many(calls)
+        except REDIS_DOWN_ERRORS as exc:
+            # Locks a script took before the failure expire with their lifetime: no token of
+            # theirs is known to anyone but this call. The checkouts go to the fallback.
+            for buyer in candidates:
+                self._respond(buyer, {"o": "redis_down", "e": exc.__class__.__name__})
+            return
+        except (ResponseError, ValueError) as exc:
+            for buyer in candidates:
+                self._respond(buyer, {"o": "error", "e": str(exc)})
+            return
+        finally:
+            self.take_seconds += time.perf_counter() - started
+            self.take_cpu += time.thread_time() - cpu0
+        now = time.monotonic()
+        for buyer, call, (picked, hints, fence) in zip(candidates, calls, results, strict=True):
+            if picked is None:
+                self._respond(buyer, {"o": "missing"})
+            elif sum(hints) < call.qty:
+                self._respond(buyer, {"o": "sold_out", "remaining": sum(hints)})
+            elif picked >= 0 and fence is not None:
+                index = str(picked)
+                rows, fences = {index: call.qty}, {index: fence}
+                write = {**buyer.request["sale"], "rows": rows, "fences": fences}
+                release = {index: [call.locks[picked], call.token, call.counters[picked]]}
+                buyer.request = {**buyer.request, "write": write, "release": release}
+                buyer.lock_wait = now - buyer.arrived
+                self.locked += 1
+                self._taken.append(_Sale(buyer, {**write, "levels": True}, release))
+            elif max(hints) < call.qty:
+                self._respond(buyer, {"o": "spread"})  # the direct way locks several shards
+            else:
+                if not buyer.waited:
+                    buyer.waited = True
+                    self.lock_waits += 1
+                self._lock_waiting.append(buyer)
 
     def _send_what_fits(self) -> None:
         """Send what was taken, a batch on each connection with no statement in flight."""
@@ -1113,6 +1246,7 @@ class SaleWriter:
             logger.warning("sale writer: could not release %d locks (%s)", len(releases), exc)
             return {}
         self.released += len(releases)
+        self._lock_retry_at = 0.0  # shards are free: those waiting for one try at once
         return released
 
     def _answer_batch(
@@ -1268,3 +1402,22 @@ def _take_of(request: dict[str, Any]) -> Take:
         )
     claim = None if request.get("claim") is None else Claim(*request["claim"])
     return Take(cursor, counters, request["qty"], claim)
+
+
+def _lock_of(request: dict[str, Any], ttl_ms: int) -> LockFirst:
+    """What to lock for a `lock_request`: its sale's shards' hints and locks, from its `start`,
+    with a token of the writer's. Raises KeyError, TypeError or ValueError for one that is not
+    well formed."""
+    sale, lock = request["sale"], request["lock"]
+    if not isinstance(sale, dict) or not isinstance(lock, dict):
+        raise ValueError("a lock request names its sale and its shards")
+    sku, sale_id, qty = request["sku"], sale["sale"], sale["qty"]
+    shards, start = lock["shards"], lock["start"]
+    if not isinstance(sku, str) or not all(type(n) is int for n in (sale_id, shards, start, qty)):
+        raise ValueError("a sale is named by its sku, the sale's id and its number of shards")
+    if not 1 <= shards <= MAX_SHARDS or not 0 <= start < shards:
+        raise ValueError(f"shard {start} of {shards}")
+    if qty < 1 or request["qty"] != qty:
+        raise ValueError(f"{request['qty']!r} units asked, {qty!r} to write")
+    hints, locks = keys.shard_keys(sku, sale_id, shards)
+    return LockFirst(hints, locks, qty, start, uuid.uuid4().hex, ttl_ms)

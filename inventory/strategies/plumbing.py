@@ -315,6 +315,15 @@ def writer_releases(item: Item, locks: dict[int, Lock]) -> dict[int, list[str]]:
     }
 
 
+def writer_may_lock() -> bool:
+    """Whether the sale writer may lock a `segmented` checkout's shard for it
+    (`writer.lock_request`): with our own lock, whose keys its script takes and releases, and
+    not on a Redis Cluster, where its one round trip would span slots."""
+    return _lock_factory(settings.FLASHSALE_LOCK_FACTORY) is Lock and not is_cluster(
+        get_redis_client()
+    )
+
+
 def refresh_hints(
     item: Item,
     indexes: Iterable[int] | None = None,

@@ -28,7 +28,6 @@ import logging
 import random
 import time
 import uuid
-from typing import Any, NoReturn
 
 from django.conf import settings
 
@@ -81,6 +80,18 @@ class SegmentedStrategy(StockStrategy):
         if not item.shard_count:
             raise RuntimeError(f"{item.sku} has no stock shards: restart its sale")
         start = random.randrange(item.shard_count)
+        if writer.may_hand_off() and not record.idempotency_key and plumbing.writer_may_lock():
+            # The writer locks a shard for it and answers the client (`shop.handoff`): no
+            # round trip to Redis, nothing to wait for here.
+            raise writer.HandedOff(
+                writer.lock_request(
+                    sku=item.sku,
+                    shards=item.shard_count,
+                    start=start,
+                    qty=qty,
+                    sale=record.request(served_by=self.name),
+                )
+            )
         picked, hints, token, fence = self._lock_first_holding(item, qty, start)
         if picked is None:
             # Redis lost the hints, or a restart dropped this sale's: only rebuild a current
@@ -273,8 +284,6 @@ class SegmentedStrategy(StockStrategy):
         request = writer.write_request(
             record.request(served_by=self.name), plan, shard_fences, releases
         )
-        if writer.may_hand_off() and not record.idempotency_key and set(releases) == set(plan):
-            self._hand_off(item, request, {index: locks.pop(index) for index in plan})
         try:
             answer = plumbing.ask_writer(sale_writer, request, item.sku)
         except writer.WriterUnavailable:
@@ -297,26 +306,6 @@ class SegmentedStrategy(StockStrategy):
         if outcome == "invalid":
             raise RuntimeError(f"the sale writer refused the request: {answer.get('e')}")
         return None  # again: nothing was written
-
-    @staticmethod
-    def _hand_off(item: Item, request: dict[str, Any], held: dict[int, Lock]) -> NoReturn:
-        """Give the sale, its locks and the client's connection to the writer (`shop.handoff`):
-        it releases the locks after the commit (or, when its batch does not sell it, before
-        selling it the direct way) and answers the client. The locks have left the caller's
-        `locks`: once the writer has the sale they are forgotten here; if nothing could be
-        sent, released here, and the request is served again the direct way."""
-
-        def sent() -> None:
-            for lock in held.values():
-                plumbing.released_by_writer(lock)
-
-        def not_sent() -> None:
-            release_with_hints(item, dict(reversed(held.items())), {})
-
-        qty = sum(request["write"]["rows"].values())
-        raise writer.HandedOff(
-            {**request, "sku": item.sku, "qty": qty}, sent=sent, not_sent=not_sent
-        )
 
     def _write_hints_quietly(self, item: Item, rows: dict[int, StockRow]) -> None:
         try:

@@ -12,6 +12,7 @@ import http.client
 import json
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from urllib.parse import urlsplit
@@ -61,7 +62,8 @@ def _no_lock_held(sku: str) -> bool:
 
 def _stats_delta(writer_process, before: dict) -> dict:
     after = writer_stats(writer_process.path)
-    return {key: after[key] - before[key] for key in ("answered", "answered_directly", "sales")}
+    counted = ("answered", "answered_directly", "sales", "locked")
+    return {key: after[key] - before[key] for key in counted}
 
 
 @pytest.mark.parametrize("strategy", ["lua", "segmented"])
@@ -82,20 +84,14 @@ def test_a_handed_off_flood_sells_exactly_the_stock_and_the_writer_answers_the_b
         # and no shard lock was left held
         assert _no_lock_held(sku)
 
-    delta = _stats_delta(writer_process, before)
-    if strategy == "lua":
-        # and the writer answered every one of those buyers itself, none the direct way
-        assert delta == {
-            "answered": ROUNDS * ATTEMPTS,
-            "answered_directly": 0,
-            "sales": ROUNDS * STOCK,
-        }
-    else:
-        # and the writer answered the holders it was handed: those it wrote, and those whose
-        # batch was refused (a row short at the sell-out), which it sold the direct way;
-        # holders that found every shard empty were answered sold out by their web process
-        assert delta["answered"] == delta["sales"] + delta["answered_directly"]
-        assert ROUNDS * STOCK * 3 // 4 <= delta["sales"] <= ROUNDS * STOCK
+    # and the writer answered every one of those buyers itself, none the direct way; for
+    # `segmented`, each sale written under a shard lock the writer took for it
+    assert _stats_delta(writer_process, before) == {
+        "answered": ROUNDS * ATTEMPTS,
+        "answered_directly": 0,
+        "sales": ROUNDS * STOCK,
+        "locked": ROUNDS * STOCK if strategy == "segmented" else 0,
+    }
 
 
 @pytest.mark.parametrize("strategy", ["lua", "segmented"])
@@ -282,6 +278,79 @@ def test_holders_refused_by_their_batch_leave_no_lock_behind_them(writer_shop, w
     assert audit["oversold"] == 0 and audit["db_stock"] == 0, audit
 
 
+def _hold_every_shard(item: Item) -> list:
+    """Lock every shard of item's sale as a holder elsewhere would; the locks, held."""
+    held = [segmented.shard_lock(item, index) for index in range(item.shard_count)]
+    for lock in held:
+        assert lock.acquire(blocking=False)
+    return held
+
+
+def test_a_handed_off_checkout_waits_in_the_writer_for_a_shard_held_elsewhere(
+    writer_shop, writer_process
+):
+    # Given a segmented sale whose every shard lock is held by holders outside the writer
+    sku = f"held-{uuid.uuid4().hex[:8]}"
+    start_sale(sku=sku, stock=20, strategy="segmented")
+    item = Item.objects.get(sku=sku)
+    held = _hold_every_shard(item)
+    before = writer_stats(writer_process.path)
+
+    # When a buyer checks out, handed to the writer
+    answers: list[tuple[int, dict[str, str], dict]] = []
+    buyer = threading.Thread(
+        target=lambda: answers.append(_post(writer_shop.url, {"sku": sku, "qty": 1, "buyer": "b"}))
+    )
+    buyer.start()
+    try:
+        # Then it waits in the writer, unanswered, while every shard stays locked
+        waits = lambda: writer_stats(writer_process.path)["lock_waits"]  # noqa: E731
+        assert wait_until(lambda: waits() > before["lock_waits"], timeout=10, interval=0.01)
+        time.sleep(0.3)
+        assert answers == []
+
+        # and once shard 3 is free, it is sold from that shard under a lock the writer took,
+        # its wait reported as the view reports one (Server-Timing)
+        held.pop(3).release()
+        buyer.join(10)
+    finally:
+        for lock in held:
+            lock.release()
+    status, headers, payload = answers[0]
+    assert status == 201, payload
+    waited = float(headers["Server-Timing"].removeprefix("lock;dur="))
+    assert waited >= 300, headers
+    assert Order.objects.get(public_id=payload["order"]).shard_units == {"3": 1}
+    assert _stats_delta(writer_process, before)["locked"] == 1
+    assert _no_lock_held(sku)
+    audit = audit_sale(sku)
+    assert audit["accepted_units"] == 1 and audit["consistent"], audit
+
+
+def test_a_handed_off_checkout_no_single_shard_holds_is_sold_from_several(
+    writer_shop, writer_process
+):
+    # Given a segmented sale of 20 units over 10 shards: 2 a shard
+    sku = f"spread-{uuid.uuid4().hex[:8]}"
+    start_sale(sku=sku, stock=20, strategy="segmented")
+    before = writer_stats(writer_process.path)
+
+    # When a buyer asks for 5, then for 16 (more than the 15 left)
+    status, _, payload = _post(writer_shop.url, {"sku": sku, "qty": 5, "buyer": "big"})
+    refused = _post(writer_shop.url, {"sku": sku, "qty": 16, "buyer": "bigger"})
+
+    # Then the first is sold the direct way by the writer's thread, from three shards, lowest
+    # first; the second is answered sold out, with what is left
+    assert status == 201, payload
+    assert Order.objects.get(public_id=payload["order"]).shard_units == {"0": 2, "1": 2, "2": 1}
+    assert refused[0] == 409 and refused[2]["detail"] == f"{sku}: only 15 left, 16 requested"
+    delta = _stats_delta(writer_process, before)
+    assert (delta["answered"], delta["answered_directly"], delta["locked"]) == (2, 1, 0)
+    assert _no_lock_held(sku)
+    audit = audit_sale(sku)
+    assert audit["db_stock"] == audit["redis_stock"] == 15 and audit["consistent"], audit
+
+
 REPLY = {"version": "HTTP/1.1", "server": "test", "headers": []}
 
 
@@ -303,9 +372,22 @@ def _handed_by_hand(path: str, request: dict) -> Iterator[socket.socket]:
         client.close()
 
 
-def test_a_refused_holder_s_lock_is_released_while_the_writer_s_threads_are_busy(writer_in_thread):
-    # Given a segmented sale whose rows have accepted a later token than any lock's (a holder's
-    # batch refuses its sale), and every thread of the writer busy
+def _lock_request(item: Item, buyer: str, start: int = 0) -> dict:
+    record = SaleRecorder(item=item, qty=1, buyer=buyer, idempotency_key=None, limit=None)
+    return writer.lock_request(
+        sku=item.sku,
+        shards=item.shard_count,
+        start=start,
+        qty=1,
+        sale=record.request(served_by="segmented"),
+    )
+
+
+def test_a_refused_checkout_s_shard_lock_is_released_while_the_writer_s_threads_are_busy(
+    writer_in_thread,
+):
+    # Given a segmented sale whose rows have accepted a later token than any lock's (a batch
+    # refuses every sale written under a lock), and every thread of the writer busy
     start_sale(sku="widget", stock=20, strategy="segmented")
     item = Item.objects.get(sku="widget")
     StockShard.objects.filter(sale_id=item.current_sale_id).update(fence=2**62)
@@ -313,26 +395,13 @@ def test_a_refused_holder_s_lock_is_released_while_the_writer_s_threads_are_busy
     for _ in range(writer.DIRECT_THREADS):
         writer_in_thread._directly.submit(gate.wait, 30)
 
-    # When the holder of shard 0 hands its sale, its lock and its client's connection over
-    holder = segmented.shard_lock(item, 0)
-    assert holder.acquire(blocking=False)
-    sale = {
-        "public_id": str(uuid.uuid4()), "item": item.pk, "sale": item.current_sale_id, "qty": 1,
-        "buyer": "ann", "key": None, "limit": None, "served_by": "segmented", "fallback": False,
-    }  # fmt: skip
-    releases = plumbing.writer_releases(item, {0: holder})
-    request = {
-        **writer.write_request(sale, {0: 1}, {0: holder.fence}, releases),
-        "sku": "widget",
-        "qty": 1,
-    }
-    with _handed_by_hand(writer_in_thread.path, request) as client:
-        holder.released_elsewhere()
+    # When a checkout is handed to the writer, which locks a shard for it
+    with _handed_by_hand(writer_in_thread.path, _lock_request(item, "ann")) as client:
+        assert wait_until(lambda: writer_in_thread.locked == 1, timeout=5, interval=0.01)
 
-        # Then its lock is released at once by the writer's own thread, well within the
+        # Then the lock is released at once by the writer's own thread, well within the
         # lock's lifetime, though no other thread is free to sell the checkout
-        redis_client = get_redis_client()
-        assert wait_until(lambda: not redis_client.exists(holder.name), timeout=1, interval=0.01)
+        assert wait_until(lambda: _no_lock_held("widget"), timeout=1, interval=0.01)
 
         # and once a thread is free, the client is answered as a direct checkout would be (the
         # rows refuse every token: busy), nothing sold
@@ -341,6 +410,49 @@ def test_a_refused_holder_s_lock_is_released_while_the_writer_s_threads_are_busy
     assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n"), answer
     assert b'"error": "busy"' in answer
     assert Order.objects.count() == 0
+
+
+def test_a_checkout_whose_shards_stay_locked_is_answered_busy(writer_in_thread):
+    # Given a segmented sale whose every shard stays locked by holders elsewhere, and a writer
+    # whose checkouts wait a fifth of a second for a shard
+    start_sale(sku="widget", stock=20, strategy="segmented")
+    item = Item.objects.get(sku="widget")
+    writer_in_thread.lock_wait = 0.2
+    held = _hold_every_shard(item)
+    try:
+        # When a checkout is handed to it
+        with _handed_by_hand(writer_in_thread.path, _lock_request(item, "ann")) as client:
+            answer = client.recv(65536)
+    finally:
+        for lock in held:
+            lock.release()
+
+    # Then it is answered busy once its wait is over, as a holder whose wait ran out is, and
+    # nothing is sold
+    assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n"), answer
+    assert b"Retry-After: " in answer and b"every shard holding 1 stayed locked" in answer
+    assert writer_in_thread.lock_waits == 1 and writer_in_thread.locked == 0
+    assert Order.objects.count() == 0
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"lock": {"shards": 0, "start": 0}},
+        {"lock": {"shards": 10, "start": 10}},
+        {"lock": {"shards": "10", "start": 0}},
+        {"lock": []},
+        {"qty": 2},
+    ],
+)
+def test_a_lock_request_not_well_formed_locks_nothing(change):
+    # Given a lock request changed to name no shard it could lock, or units it does not write
+    start_sale(sku="widget", stock=20, strategy="segmented")
+    request = {**_lock_request(Item.objects.get(sku="widget"), "ann"), **change}
+
+    # Then the writer refuses to lock anything for it
+    with pytest.raises((KeyError, TypeError, ValueError)):
+        writer._lock_of(request, 5000)
 
 
 def test_a_writer_with_no_direct_way_answers_busy_and_gives_the_units_back(writer_in_thread):
