@@ -117,10 +117,10 @@ def _read_body(request: HttpRequest) -> bytes:
 
 @csrf_exempt
 def checkout(request: HttpRequest) -> JsonResponse:
-    """POST /api/checkout. Served by the shop's gunicorn worker (`shop.handoff`), a `lua`
-    checkout without an idempotency key may be answered by the sale writer instead: then this
-    view leaves the worker what to send it (`writer.HandOff`) and a placeholder answer, which
-    the client never sees."""
+    """POST /api/checkout. Served by the shop's gunicorn worker (`shop.handoff`), a `lua` or
+    `segmented` checkout without an idempotency key may be answered by the sale writer instead:
+    then this view leaves the worker what to send it (`writer.HandOff`) and a placeholder
+    answer, which the client never sees."""
     if request.method != "POST":
         return method_not_allowed(request, "POST")
     started = time.perf_counter()

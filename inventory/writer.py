@@ -47,14 +47,18 @@ it, as for a direct checkout.
 The protocol is one JSON object per line each way; one request at a time per connection.
 A request to take is `sale_request`'s, one to write as it is `write_request`'s.
 
-A `lua` checkout, or a `segmented` holder whose locks the writer can release, served by
-`shop.handoff.HandOffWorker` (the shop's gunicorn worker) need not wait at all: its request
-goes with the client's connection (`HandOff`: a `reply` field, and the connection's descriptor
-passed with the line, SCM_RIGHTS) and is answered nothing on this socket; the writer answers
-the client itself (`_Buyer`): 201 once the order row is committed (a holder's locks released
-first), 409 when sold out, and for every rarer outcome what a checkout sold the direct way
-answers, run in one of its threads (`_answer_directly`). Checkouts with an idempotency key
-still wait: a retry of theirs must find the order or a `503 busy`, never a dropped connection.
+A `lua` or `segmented` checkout served by `shop.handoff.HandOffWorker` (the shop's gunicorn
+worker) need not wait at all: its request goes with the client's connection (`HandOff`: a
+`reply` field, and the connection's descriptor passed with the line, SCM_RIGHTS) before it has
+taken anything, and is answered nothing on this socket. For a `lua` checkout the writer takes
+the units as for any other; for a `segmented` one (`lock_request`) it locks a shard whose hint
+holds them, all of a batch's in one round trip (`_lock_shards`), and writes the sale as that
+shard's holder would, its lock released with the commit; while every shard holding them is
+locked, the checkout waits in the writer for the next release (FLASHSALE_LOCK_WAIT_MS at most).
+The writer answers the client itself (`_Buyer`): 201 once the order row is committed, 409 when
+sold out, and for every rarer outcome what a checkout sold the direct way answers, run in one
+of its threads (`_answer_directly`). Checkouts with an idempotency key still wait: a retry of
+theirs must find the order or a `503 busy`, never a dropped connection.
 """
 
 from __future__ import annotations
@@ -166,22 +170,13 @@ def direct_only() -> Iterator[None]:
 
 
 class HandedOff(Exception):  # noqa: N818 (a signal, not an error)
-    """Raised by a checkout that is to be answered by the writer: `request` is what to send it
-    (with the sale's `sku` and `qty`). `sent` runs once the writer has it, `not_sent` when
-    nothing could be sent (a shard holder's locks: forgotten, or released). The view catches it
-    and leaves a `HandOff` for the worker."""
+    """Raised by a checkout that is to be answered by the writer, before it has taken anything:
+    `request` is what to send it (with the sale's `sku` and `qty`). The view catches it and
+    leaves a `HandOff` for the worker."""
 
-    def __init__(
-        self,
-        request: dict[str, Any],
-        *,
-        sent: Callable[[], None] | None = None,
-        not_sent: Callable[[], None] | None = None,
-    ) -> None:
+    def __init__(self, request: dict[str, Any]) -> None:
         super().__init__("handed to the sale writer")
         self.request = request
-        self.sent = sent
-        self.not_sent = not_sent
 
 
 @dataclass
@@ -198,7 +193,6 @@ class HandOff:
         middleware added its own) and the connection. False when nothing was sent."""
         sale_writer = client()
         if sale_writer is None:
-            self._not_sent()
             return False
         version = "HTTP/{}.{}".format(*response.req.version)
         headers = [
@@ -213,15 +207,8 @@ class HandOff:
             global _unreachable_until
             _unreachable_until = time.monotonic() + UNREACHABLE_FOR
             _warn_once(f"{exc}; checkouts sell the direct way until it is back")
-            self._not_sent()
             return False
-        if self.handed.sent is not None:
-            self.handed.sent()
         return True
-
-    def _not_sent(self) -> None:
-        if self.handed.not_sent is not None:
-            self.handed.not_sent()
 
 
 _warned: set[str] = set()
