@@ -4,9 +4,9 @@ A `lua` or `segmented` checkout sent to the sale writer (`inventory.writer`) wai
 batch's commit. On a plain sync worker the web process waits with it, one checkout at a time:
 eight web processes keep at most eight sales in flight, and each one that waits is woken again
 to send an answer it only relays. This worker lets the checkout's view give the client's
-connection to the writer instead: the view says what to send (`inventory.writer.HandOff`, in
-the request's environ under HAND_OFF) and returns; once the middleware has added its headers to the view's
-placeholder answer, the worker sends the sale, those headers and the connection's file
+connection to the writer instead: the view says what to send (`inventory.writer.HandOff`, in the
+request's environ under HAND_OFF) and returns; once the middleware has added its headers to the
+view's placeholder answer, the worker sends the sale, those headers and the connection's file
 descriptor to the writer (`HandOff.send`, SCM_RIGHTS on the writer's unix socket), closes its
 own descriptor without shutting the connection down, and takes the next request. The writer
 answers the client once the sale's order row is committed (docs/design.md, "The writer answers
