@@ -201,14 +201,18 @@ def test_take_spread_takes_from_one_counter_in_turn_or_from_several(
     assert counter.get_many(keys) == [0, 0, 0]
 
 
+def _rows_and_locks(prefix: str) -> tuple[list[str], list[str]]:
+    """Three rows' counters and their locks."""
+    return [f"{prefix}row:{i}" for i in range(3)], [f"{prefix}lock:{i}" for i in range(3)]
+
+
 def test_lock_first_holding_locks_a_free_row_that_holds_the_quantity(
     r: redis.Redis, prefix: str
 ) -> None:
     from locking import Lock
 
     counter = StockCounter(r)
-    keys = [f"{prefix}row:{index}" for index in range(3)]
-    locks = [f"{prefix}lock:{index}" for index in range(3)]
+    keys, locks = _rows_and_locks(prefix)
     take = {"start": 0, "ttl_ms": 5000}
     assert counter.lock_first_holding(keys, locks, 1, token="t0", **take) == (None, [], None)
     assert all(r.get(lock) is None for lock in locks)  # missing counters: nothing locked
@@ -239,8 +243,7 @@ def test_lock_first_holding_many_runs_each_call_in_order_in_one_round_trip(
     from locking.counter import LockFirst
 
     counter = StockCounter(r)
-    keys = [f"{prefix}row:{index}" for index in range(3)]
-    locks = [f"{prefix}lock:{index}" for index in range(3)]
+    keys, locks = _rows_and_locks(prefix)
     missing = LockFirst(keys, locks, 1, 0, "t0", 5000)
     assert counter.lock_first_holding_many([missing]) == [(None, [], None)]
     counter.set_many(dict(zip(keys, [1, 3, 0], strict=True)))
