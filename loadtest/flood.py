@@ -23,6 +23,9 @@ class FloodResult:
     #: The public ids of the orders the 201s named.
     order_ids: list[str] = field(default_factory=list)
     transport_failures: int = 0
+    #: When each transport failure was seen (`time.monotonic()`, one clock for every process
+    #: of the host).
+    failed_at: list[float] = field(default_factory=list)
     elapsed: float = 0.0
 
     @property
@@ -46,6 +49,7 @@ class FloodResult:
         self.errors.update(other.errors)
         self.order_ids.extend(other.order_ids)
         self.transport_failures += other.transport_failures
+        self.failed_at.extend(other.failed_at)
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,7 @@ def _buy(share: _Share) -> FloodResult:
             payload = json.loads(response.read() or b"{}")
         except (OSError, http.client.HTTPException, ValueError):
             result.transport_failures += 1
+            result.failed_at.append(time.monotonic())
             continue
         finally:
             connection.close()
