@@ -435,6 +435,30 @@ def test_a_checkout_whose_shards_stay_locked_is_answered_busy(writer_in_thread):
     assert Order.objects.count() == 0
 
 
+def test_a_checkout_waiting_for_a_shard_when_the_writer_stops_is_answered_busy(writer_in_thread):
+    # Given a segmented sale whose every shard is locked elsewhere, and a checkout handed to the
+    # writer that waits there for one
+    start_sale(sku="widget", stock=20, strategy="segmented")
+    item = Item.objects.get(sku="widget")
+    held = _hold_every_shard(item)
+    try:
+        with _handed_by_hand(writer_in_thread.path, _lock_request(item, "ann")) as client:
+            assert wait_until(lambda: writer_in_thread.lock_waits == 1, timeout=5, interval=0.01)
+
+            # When the writer is stopped
+            writer_in_thread.stop()
+            answer = client.recv(65536)
+    finally:
+        for lock in held:
+            lock.release()
+
+    # Then the checkout is answered busy (a retry finds a writer, or sells the direct way),
+    # nothing sold
+    assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n"), answer
+    assert b"Retry-After: " in answer and b"stayed locked" in answer
+    assert writer_in_thread.locked == 0 and Order.objects.count() == 0
+
+
 @pytest.mark.parametrize(
     "change",
     [
