@@ -20,6 +20,12 @@ A buyer starts at a random shard and walks the ring:
    in index order and serve from several, lowest index first. Locks are only ever waited for
    in ascending order while others are held, so two buyers cannot deadlock.
 Sold out only when the shards together hold fewer units than asked.
+
+Served by the shop's gunicorn worker with a sale writer running, a checkout without an
+idempotency key is handed to the writer before it locks anything (`writer.lock_request`): the
+writer runs step 1 for it, with the batch's other checkouts in one round trip, holds the lock
+for it until the batch's commit, and waits in its place for a busy shard (step 2); step 3 goes
+to one of its threads, which sells it the way described here.
 """
 
 from __future__ import annotations
