@@ -278,12 +278,18 @@ def test_holders_refused_by_their_batch_leave_no_lock_behind_them(writer_shop, w
     assert audit["oversold"] == 0 and audit["db_stock"] == 0, audit
 
 
-def _hold_every_shard(item: Item) -> list:
-    """Lock every shard of item's sale as a holder elsewhere would; the locks, held."""
+@contextlib.contextmanager
+def _every_shard_held(item: Item) -> Iterator[list]:
+    """Lock every shard of item's sale as holders elsewhere would; yields the locks, and
+    releases those still in the list afterwards."""
     held = [segmented.shard_lock(item, index) for index in range(item.shard_count)]
     for lock in held:
         assert lock.acquire(blocking=False)
-    return held
+    try:
+        yield held
+    finally:
+        for lock in held:
+            lock.release()
 
 
 def test_a_handed_off_checkout_waits_in_the_writer_for_a_shard_held_elsewhere(
@@ -293,16 +299,15 @@ def test_a_handed_off_checkout_waits_in_the_writer_for_a_shard_held_elsewhere(
     sku = f"held-{uuid.uuid4().hex[:8]}"
     start_sale(sku=sku, stock=20, strategy="segmented")
     item = Item.objects.get(sku=sku)
-    held = _hold_every_shard(item)
     before = writer_stats(writer_process.path)
-
-    # When a buyer checks out, handed to the writer
     answers: list[tuple[int, dict[str, str], dict]] = []
     buyer = threading.Thread(
         target=lambda: answers.append(_post(writer_shop.url, {"sku": sku, "qty": 1, "buyer": "b"}))
     )
-    buyer.start()
-    try:
+    with _every_shard_held(item) as held:
+        # When a buyer checks out, handed to the writer
+        buyer.start()
+
         # Then it waits in the writer, unanswered, while every shard stays locked
         waits = lambda: writer_stats(writer_process.path)["lock_waits"]  # noqa: E731
         assert wait_until(lambda: waits() > before["lock_waits"], timeout=10, interval=0.01)
@@ -313,9 +318,6 @@ def test_a_handed_off_checkout_waits_in_the_writer_for_a_shard_held_elsewhere(
         # its wait reported as the view reports one (Server-Timing)
         held.pop(3).release()
         buyer.join(10)
-    finally:
-        for lock in held:
-            lock.release()
     status, headers, payload = answers[0]
     assert status == 201, payload
     waited = float(headers["Server-Timing"].removeprefix("lock;dur="))
@@ -418,14 +420,10 @@ def test_a_checkout_whose_shards_stay_locked_is_answered_busy(writer_in_thread):
     start_sale(sku="widget", stock=20, strategy="segmented")
     item = Item.objects.get(sku="widget")
     writer_in_thread.lock_wait = 0.2
-    held = _hold_every_shard(item)
-    try:
+    with _every_shard_held(item):
         # When a checkout is handed to it
         with _handed_by_hand(writer_in_thread.path, _lock_request(item, "ann")) as client:
             answer = client.recv(65536)
-    finally:
-        for lock in held:
-            lock.release()
 
     # Then it is answered busy once its wait is over, as a holder whose wait ran out is, and
     # nothing is sold
@@ -440,17 +438,15 @@ def test_a_checkout_waiting_for_a_shard_when_the_writer_stops_is_answered_busy(w
     # writer that waits there for one
     start_sale(sku="widget", stock=20, strategy="segmented")
     item = Item.objects.get(sku="widget")
-    held = _hold_every_shard(item)
-    try:
-        with _handed_by_hand(writer_in_thread.path, _lock_request(item, "ann")) as client:
-            assert wait_until(lambda: writer_in_thread.lock_waits == 1, timeout=5, interval=0.01)
+    with (
+        _every_shard_held(item),
+        _handed_by_hand(writer_in_thread.path, _lock_request(item, "ann")) as client,
+    ):
+        assert wait_until(lambda: writer_in_thread.lock_waits == 1, timeout=5, interval=0.01)
 
-            # When the writer is stopped
-            writer_in_thread.stop()
-            answer = client.recv(65536)
-    finally:
-        for lock in held:
-            lock.release()
+        # When the writer is stopped
+        writer_in_thread.stop()
+        answer = client.recv(65536)
 
     # Then the checkout is answered busy (a retry finds a writer, or sells the direct way),
     # nothing sold
