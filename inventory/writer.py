@@ -474,10 +474,7 @@ class _Buyer:
     rest: bytes = b""
     #: When the writer read it (monotonic).
     arrived: float = field(default_factory=time.monotonic)
-    #: A `lock_request`'s shards: what to lock for it (`_lock_of`).
-    shards: LockFirst | None = None
-    #: Whether it waited for a shard's lock; how long it took to get one, in seconds.
-    waited: bool = False
+    #: How long a `lock_request` took to get its shard's lock, in seconds.
     lock_wait: float | None = None
 
     @classmethod
@@ -646,7 +643,7 @@ class SaleWriter:
         self.lock_waits = 0
         #: Those checkouts waiting for a shard's lock, in arrival order; when they try again
         #: (at once after a batch released locks), and how long they may wait in all.
-        self._lock_waiting: list[_Buyer] = []
+        self._lock_waiting: list[tuple[_Buyer, LockFirst]] = []
         self._lock_retry_at = 0.0
         self.lock_wait = settings.FLASHSALE_LOCK_WAIT_MS / 1000
         self.lock_ttl_ms = settings.FLASHSALE_LOCK_TTL_MS
@@ -721,7 +718,7 @@ class SaleWriter:
         checkout still waiting for a shard's lock is answered busy)."""
         if self._pending:
             self._take()
-        for buyer in self._lock_waiting:
+        for buyer, _ in self._lock_waiting:
             self._respond(buyer, {"o": "busy"})
         self._lock_waiting = []
         while self._writing or self._taken:
@@ -1025,17 +1022,15 @@ class SaleWriter:
         in `_taken` for their statement, the others are answered now."""
         arrived, self._pending = self._pending, []
         takes: list[tuple[_Connection | _Buyer, dict[str, Any], Take]] = []
-        to_lock: list[_Buyer] = []
+        to_lock: list[tuple[_Buyer, LockFirst]] = []
         for conn, request in arrived:
             if "lock" in request:  # a `segmented` checkout handed off: lock a shard for it
                 try:
                     if not isinstance(conn, _Buyer):
                         raise ValueError("a lock request comes with its client's connection")
-                    conn.shards = _lock_of(request, self.lock_ttl_ms)
+                    to_lock.append((conn, _lock_of(request, self.lock_ttl_ms)))
                 except (KeyError, TypeError, ValueError) as exc:
                     self._answer(conn, {"o": "invalid", "e": repr(exc)})
-                    continue
-                to_lock.append(conn)
                 continue
             if "write" in request:  # a lock holder's sale: its units are its rows' already
                 try:
@@ -1082,7 +1077,7 @@ class SaleWriter:
                 rows = {str(index): units for index, units in result.items()}
                 self._taken.append(_Sale(conn, {**request["sale"], "rows": rows}))
 
-    def _lock_shards(self, arrived: list[_Buyer]) -> None:
+    def _lock_shards(self, arrived: list[tuple[_Buyer, LockFirst]]) -> None:
         """Lock a shard for each handed-off `segmented` checkout (`lock_request`), those waiting
         first, then those just `arrived`, in one round trip (a script each, in that order).
         One that got its lock joins the taken sales as its holder's would (`write_request`):
@@ -1096,14 +1091,15 @@ class SaleWriter:
         self._lock_retry_at = now + LOCK_RETRY
         candidates: list[_Buyer] = []
         calls: list[LockFirst] = []
-        for buyer in (*waiting, *arrived):
-            if now >= buyer.arrived + self.lock_wait or buyer.shards is None:
+        for buyer, call in (*waiting, *arrived):
+            if now >= buyer.arrived + self.lock_wait:
                 self._respond(buyer, {"o": "busy"})
             else:
                 candidates.append(buyer)
-                calls.append(buyer.shards)
+                calls.append(call)
         if not candidates:
             return
+        counted = {buyer for buyer, _ in waiting}  # their waits are counted already
         started = time.perf_counter()
         cpu0 = time.thread_time()
         try:
@@ -1139,10 +1135,9 @@ class SaleWriter:
             elif max(hints) < call.qty:
                 self._respond(buyer, {"o": "spread"})  # the direct way locks several shards
             else:
-                if not buyer.waited:
-                    buyer.waited = True
+                if buyer not in counted:
                     self.lock_waits += 1
-                self._lock_waiting.append(buyer)
+                self._lock_waiting.append((buyer, call))
 
     def _send_what_fits(self) -> None:
         """Send what was taken, a batch on each connection with no statement in flight."""
