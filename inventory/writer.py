@@ -344,15 +344,18 @@ def write_request(
 
 
 def lock_request(
-    *, sku: str, shards: int, start: int, qty: int, sale: dict[str, Any]
+    *, sku: str, shards: int, start: int, qty: int, sale: dict[str, Any], name: str
 ) -> dict[str, Any]:
     """What a `segmented` checkout hands off with its client's connection (`HandOff`) before it
     holds any lock: the writer locks a shard whose hint holds `qty` for it (from shard `start`
     on, in turn: `StockCounter.lock_first_holding`, the script a holder runs), writes the sale
     under that lock, fenced by its token, in a batch with the others, and releases the lock
     with the commit, the row's level copied to its hint. `shards`: how many the sale has (the
-    writer names their hints and locks itself, `keys.shard_keys`)."""
-    return {"sku": sku, "qty": qty, "lock": {"shards": shards, "start": start}, "sale": sale}
+    writer names their hints and locks itself, `keys.shard_keys`); `name`: shard `start`'s
+    lock as the buyer's process names it, which the writer checks against its own (a writer
+    with another FLASHSALE_REDIS_PREFIX would lock other keys than the buyers' holders do)."""
+    lock = {"shards": shards, "start": start, "name": name}
+    return {"sku": sku, "qty": qty, "lock": lock, "sale": sale}
 
 
 #: The most order keys one relay (`orders_request`) may carry.
@@ -938,6 +941,12 @@ class SaleWriter:
                 remaining=answer.get("remaining"),
             )
             buyer.refused(refusal.code, refusal.detail, refusal.status)
+        elif outcome == "invalid":
+            # Not sold the direct way here either: the writer's own settings (its key prefix,
+            # say) are what the request disagreed with. Said as a buyer waiting is told.
+            detail = f"the sale writer refused the request: {answer.get('e')}"
+            _warn_once(detail)
+            buyer.refused("error", detail, 500)
         else:
             self.answered_directly += 1
             if "write" in buyer.request:
@@ -1402,4 +1411,9 @@ def _lock_of(request: dict[str, Any], ttl_ms: int) -> LockFirst:
     if qty < 1 or request["qty"] != qty:
         raise ValueError(f"{request['qty']!r} units asked, {qty!r} to write")
     hints, locks = keys.shard_keys(sku, sale_id, shards)
+    if lock["name"] != locks[start]:
+        raise ValueError(
+            f"the buyer's shard locks are not this writer's ({lock['name']!r}, not "
+            f"{locks[start]!r}): do they share FLASHSALE_REDIS_PREFIX?"
+        )
     return LockFirst(hints, locks, qty, start, uuid.uuid4().hex, ttl_ms)

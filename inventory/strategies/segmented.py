@@ -96,6 +96,7 @@ class SegmentedStrategy(StockStrategy):
                     start=start,
                     qty=qty,
                     sale=record.request(served_by=self.name),
+                    name=keys.shard_locks(item)[start],
                 )
             )
         picked, hints, token, fence = self._lock_first_holding(item, qty, start)

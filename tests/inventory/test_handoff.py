@@ -382,6 +382,7 @@ def _lock_request(item: Item, buyer: str, start: int = 0) -> dict:
         start=start,
         qty=1,
         sale=record.request(served_by="segmented"),
+        name=keys.shard_locks(item)[start],
     )
 
 
@@ -463,6 +464,8 @@ def test_a_checkout_waiting_for_a_shard_when_the_writer_stops_is_answered_busy(w
         {"lock": {"shards": "10", "start": 0}},
         {"lock": []},
         {"qty": 2},
+        {"lock": {"shards": 10, "start": 0, "name": "elsewhere:lock:{item:widget:shard:0}"}},
+        {"lock": {"shards": 10, "start": 0}},
     ],
 )
 def test_a_lock_request_not_well_formed_locks_nothing(change):
@@ -473,6 +476,44 @@ def test_a_lock_request_not_well_formed_locks_nothing(change):
     # Then the writer refuses to lock anything for it
     with pytest.raises((KeyError, TypeError, ValueError)):
         writer._lock_of(request, 5000)
+
+
+@pytest.mark.parametrize("strategy", ["segmented", "lua"])
+def test_a_handed_off_request_naming_other_keys_is_refused_with_the_reason(
+    writer_in_thread, strategy
+):
+    # Given a sale, and a web process whose keys are named under another key prefix than the
+    # writer's (FLASHSALE_REDIS_PREFIX set differently): a segmented checkout's start shard
+    # lock, a lua checkout's cursor
+    start_sale(sku="widget", stock=20, strategy=strategy)
+    item = Item.objects.get(sku="widget")
+    if strategy == "segmented":
+        request = _lock_request(item, "ann")
+        request["lock"]["name"] = "elsewhere:lock:{item:widget:shard:0}"
+    else:
+        record = SaleRecorder(item=item, qty=1, buyer="ann", idempotency_key=None, limit=None)
+        request = writer.sale_request(
+            sku="widget",
+            cursor="elsewhere:turn",
+            rows=item.shard_count,
+            qty=1,
+            claim=None,
+            sale=record.request(served_by="lua"),
+        )
+
+    # When it hands a checkout to the writer
+    with _handed_by_hand(writer_in_thread.path, request) as client:
+        answer = client.recv(65536)
+
+    # Then the client is told why, and nothing was locked, taken or sold (the writer's own
+    # direct way would use its own keys, not the web process's)
+    assert answer.startswith(b"HTTP/1.1 500 Internal Server Error\r\n"), answer
+    assert b"FLASHSALE_REDIS_PREFIX" in answer
+    assert writer_in_thread.locked == 0 and writer_in_thread.lock_waits == 0
+    assert get_redis_client().exists(*keys.shard_locks(item)) == 0
+    assert Order.objects.count() == 0
+    audit = audit_sale("widget")
+    assert audit["db_stock"] == audit["redis_stock"] == 20, audit
 
 
 def test_a_writer_with_no_direct_way_answers_busy_and_gives_the_units_back(writer_in_thread):
