@@ -124,6 +124,7 @@ def checkout(request: HttpRequest) -> JsonResponse:
     if request.method != "POST":
         return method_not_allowed(request, "POST")
     started = time.perf_counter()
+    began = time.monotonic()
     lock_wait_seconds.set(0.0)
     services.checkout_strategy.set(metrics.NO_STRATEGY)
     offered = writer.CLIENT in request.META and not request.META.get(writer.DIRECT)
@@ -131,7 +132,7 @@ def checkout(request: HttpRequest) -> JsonResponse:
         with writer.handing_off(offered):
             response, outcome = _checkout(request)
     except writer.HandedOff as handed:
-        request.META[writer.HAND_OFF] = writer.HandOff(handed, request.body)
+        request.META[writer.HAND_OFF] = writer.HandOff(handed, request.body, began)
         response, outcome = JsonResponse({}, status=202), "handed_off"
     metrics.checkout_answered(
         services.checkout_strategy.get(), outcome, time.perf_counter() - started

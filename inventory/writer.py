@@ -64,8 +64,10 @@ theirs must find the order or a `503 busy`, never a dropped connection.
 from __future__ import annotations
 
 import array
+import bisect
 import json
 import logging
+import math
 import os
 import resource
 import select
@@ -92,6 +94,7 @@ from locking.counter import Claim, LockFirst, StockCounter, Take
 
 from . import keys, publishing, stock
 from .exceptions import Busy, SoldOut
+from .metrics import NO_STRATEGY, OUTCOMES, SECONDS
 from .redis_client import REDIS_DOWN_ERRORS, get_redis_client
 
 logger = logging.getLogger(__name__)
@@ -183,10 +186,12 @@ class HandedOff(Exception):  # noqa: N818 (a signal, not an error)
 class HandOff:
     """A checkout the worker is to send the writer with the client's connection (`send`):
     what it raised, and the request's `body`, to serve it again the direct way when nothing
-    could be sent."""
+    could be sent; `began`: when the view began it (`time.monotonic()`, one clock for the
+    host's processes), from which the writer times it."""
 
     handed: HandedOff
     body: bytes
+    began: float | None = None
 
     def send(self, sock: socket.socket, response: Any) -> bool:
         """Send the sale, the answer's headers so far (`response`: gunicorn's, after the
@@ -202,7 +207,8 @@ class HandOff:
         ]
         reply = {"version": version, "server": response.version, "headers": headers}
         try:
-            sale_writer.hand_off({**self.handed.request, "reply": reply}, sock.fileno())
+            request = {**self.handed.request, "reply": reply, "began": self.began}
+            sale_writer.hand_off(request, sock.fileno())
         except WriterUnavailable as exc:
             global _unreachable_until
             _unreachable_until = time.monotonic() + UNREACHABLE_FOR
@@ -479,9 +485,14 @@ class _Buyer:
     arrived: float = field(default_factory=time.monotonic)
     #: How long a `lock_request` took to get its shard's lock, in seconds.
     lock_wait: float | None = None
+    #: When its web process began the checkout (monotonic: one clock for every process of
+    #: the host), else when the writer read it.
+    began: float = 0.0
+    #: Counts each answer (`Answered.count`).
+    answered: Answered | None = None
 
     @classmethod
-    def of(cls, request: dict[str, Any], fd: int) -> _Buyer:
+    def of(cls, request: dict[str, Any], fd: int, answered: Answered | None = None) -> _Buyer:
         """The buyer of a handed-off request, on connection `fd` (which it owns from here).
         Raises ValueError for a reply it cannot answer with."""
         sock = socket.socket(fileno=fd)
@@ -495,12 +506,20 @@ class _Buyer:
             sock.close()
             raise ValueError(f"a hand-off's reply: {exc!r}") from None
         sock.setblocking(False)
+        buyer.began = _began(request.get("began"), buyer.arrived)
+        buyer.answered = answered
         return buyer
 
-    def respond(self, status: int, content: bytes, headers: Iterable[tuple[str, str]]) -> None:
+    def respond(
+        self, status: int, content: bytes, headers: Iterable[tuple[str, str]], outcome: str
+    ) -> None:
         """Send the answer (its own headers, then the middleware's) and close the connection.
         What the socket does not take at once is sent by `finish` (the caller's choice of
-        thread: `SaleWriter._respond`)."""
+        thread: `SaleWriter._respond`). `outcome`: `accepted` or the API's error code,
+        counted with the checkout's time."""
+        if self.answered is not None:
+            strategy = str(self.sale.get("served_by") or NO_STRATEGY)
+            self.answered.count(strategy, outcome if outcome in OUTCOMES else "error", self.began)
         lines = [
             f"{self.version} {status} {HTTPStatus(status).phrase}\r\n",
             f"Server: {self.server}\r\nDate: {_http_date()}\r\nConnection: close\r\n",
@@ -565,11 +584,61 @@ class _Buyer:
         if self.lock_wait is not None:
             # As the view reports a lock wait: from its arrival here until its shard was locked.
             headers.append(("Server-Timing", f"lock;dur={self.lock_wait * 1000:.2f}"))
-        self.respond(201, json.dumps(payload).encode(), headers)
+        self.respond(201, json.dumps(payload).encode(), headers, "accepted")
 
     def refused(self, code: str, detail: str, status: int, headers: Iterable = ()) -> None:
         body = json.dumps({"error": code, "detail": detail}).encode()
-        self.respond(status, body, [("Content-Type", "application/json"), *headers])
+        self.respond(status, body, [("Content-Type", "application/json"), *headers], code)
+
+
+#: How far back a hand-off may say its checkout began (`HandOff.began`); older or later than
+#: now, the writer counts from its own reading of it (a clock that is not this host's).
+MOST_BEGUN = 60.0
+
+
+def _began(value: Any, arrived: float) -> float:
+    """When a handed-off checkout began, by its request's `began` where that is plausible."""
+    if type(value) is float and math.isfinite(value) and arrived - MOST_BEGUN <= value <= arrived:
+        return value
+    return arrived
+
+
+class Answered:
+    """The handed-off checkouts a writer answered, by the sale's strategy and the outcome
+    (`accepted` or the API's error code), and how long each took from its start in the web
+    process to its answer (bucket counts over `inventory.metrics.SECONDS`, as the web
+    processes' own checkout histogram): `/metrics` shows them (`shop.metrics`). The writer's
+    threads answer some, so each count takes a lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._outcomes: dict[tuple[str, str], int] = {}
+        #: strategy -> [count per bucket (the last: above every bound), seconds in all]
+        self._seconds: dict[str, list[Any]] = {}
+
+    def count(self, strategy: str, outcome: str, began: float) -> None:
+        seconds = max(0.0, time.monotonic() - began)
+        with self._lock:
+            key = (strategy, outcome)
+            self._outcomes[key] = self._outcomes.get(key, 0) + 1
+            counts = self._seconds.setdefault(strategy, [[0] * (len(SECONDS) + 1), 0.0])
+            counts[0][bisect.bisect_left(SECONDS, seconds)] += 1
+            counts[1] += seconds
+
+    def stats(self) -> dict[str, Any]:
+        """{"outcomes": [[strategy, outcome, count], ...], "seconds": {strategy: {"buckets":
+        [[bound, count at or below it], ..., ["+Inf", count]], "sum": seconds}}}: cumulative,
+        as Prometheus's histograms are."""
+        with self._lock:
+            outcomes = [[*key, count] for key, count in sorted(self._outcomes.items())]
+            seconds = {}
+            for strategy, (counts, total) in sorted(self._seconds.items()):
+                running, buckets = 0, []
+                for bound, count in zip([*SECONDS, "+Inf"], counts, strict=True):
+                    running += count
+                    buckets.append([bound, running])
+                seconds[strategy] = {"buckets": buckets, "sum": total}
+        return {"outcomes": outcomes, "seconds": seconds}
 
 
 @dataclass
@@ -640,6 +709,8 @@ class SaleWriter:
         #: Handed-off checkouts answered (`_Buyer`), and of those, how many the direct way.
         self.answered = 0
         self.answered_directly = 0
+        #: What it answered them, and how long they took (`/metrics`).
+        self.checkouts = Answered()
         #: Shards locked for handed-off `segmented` checkouts (`lock_request`), and how many of
         #: those checkouts waited for one.
         self.locked = 0
@@ -882,7 +953,7 @@ class SaleWriter:
                     self._close(conn)
                     return arrived
                 try:
-                    buyer = _Buyer.of(request, conn.fds.pop(0))
+                    buyer = _Buyer.of(request, conn.fds.pop(0), self.checkouts)
                 except ValueError as exc:
                     logger.error("sale writer: %s", exc)
                     self._close(conn)
@@ -916,6 +987,7 @@ class SaleWriter:
             "answered_directly": self.answered_directly,
             "locked": self.locked,
             "lock_waits": self.lock_waits,
+            "checkouts": self.checkouts.stats(),
         }
 
     def _answer(self, conn: _Connection | _Buyer, answer: dict[str, Any]) -> None:
@@ -980,13 +1052,13 @@ class SaleWriter:
                 buyer.refused(busy.code, busy.detail, busy.status, retry)
             else:
                 with direct_only():
-                    response, _ = self.answer(
+                    response, outcome = self.answer(
                         sku=request["sku"],
                         qty=request["qty"],
                         buyer=buyer.sale["buyer"],
                         idempotency_key=buyer.sale.get("key"),
                     )
-                buyer.respond(response.status_code, response.content, response.items())
+                buyer.respond(response.status_code, response.content, response.items(), outcome)
             if buyer.rest:
                 buyer.finish()
         except Exception:

@@ -19,6 +19,8 @@ from urllib.parse import urlsplit
 
 import psycopg
 import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from inventory import keys, writer
 from inventory.models import Item, Order, StockShard
@@ -30,7 +32,7 @@ from inventory.strategies import plumbing, segmented
 from inventory.writer import writer_stats
 from loadtest.flood import flood
 from shop.processes.ports import free_port
-from tests.conftest import start_shop, test_database_url, wait_until
+from tests.conftest import TEST_API_TOKEN, start_shop, test_database_url, wait_until
 from tests.support import NGINX, flood_sells_exactly_the_stock, nginx_serving, nginx_site
 
 STOCK = 60
@@ -92,6 +94,104 @@ def test_a_handed_off_flood_sells_exactly_the_stock_and_the_writer_answers_the_b
         "sales": ROUNDS * STOCK,
         "locked": ROUNDS * STOCK if strategy == "segmented" else 0,
     }
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    answer = requests.get(
+        f"{url}/metrics", headers={"Authorization": f"Bearer {TEST_API_TOKEN}"}, timeout=10
+    )
+    assert answer.status_code == 200, answer.text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(answer.text)
+        for sample in family.samples
+    }
+
+
+def test_metrics_count_what_the_writer_answered_handed_off_checkouts(writer_shop):
+    # Given a lua sale of 5 units with a limit of 4 a buyer, on a server that hands its
+    # checkouts to the writer, and the metrics as they stand
+    sku = f"metered-{uuid.uuid4().hex[:8]}"
+    start_sale(sku=sku, stock=5, strategy="lua", limit=4)
+    before = _scrape(writer_shop.url)
+
+    # When one buyer checks out 5 times (4 sold, then her limit) and two others once each (1
+    # sold, then sold out), none with an idempotency key
+    statuses = [_post(writer_shop.url, {"sku": sku, "qty": 1, "buyer": "ann"})[0] for _ in "12345"]
+    statuses += [_post(writer_shop.url, {"sku": sku, "qty": 1, "buyer": who})[0] for who in "bc"]
+    after = _scrape(writer_shop.url)
+
+    # Then the web processes count all 7 as handed off, and the writer's figures, read at the
+    # same scrape, say what it answered them: 5 accepted (its batches), one limit reached
+    # (answered the direct way), one sold out; each timed from its arrival in the web process
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert statuses == [201, 201, 201, 201, 409, 201, 409], statuses
+    assert after[("flashsale_sale_writer_up", ())] == 1
+    assert delta("flashsale_checkouts_total", strategy="lua", outcome="handed_off") == 7
+    answered = "flashsale_sale_writer_checkouts_total"
+    assert delta(answered, strategy="lua", outcome="accepted") == 5
+    assert delta(answered, strategy="lua", outcome="limit_reached") == 1
+    assert delta(answered, strategy="lua", outcome="sold_out") == 1
+    timed = "flashsale_sale_writer_checkout_duration_seconds"
+    assert delta(f"{timed}_count", strategy="lua") == 7
+    assert delta(f"{timed}_bucket", strategy="lua", le="+Inf") == 7
+    assert 0 < delta(f"{timed}_sum", strategy="lua") < 7 * 5.0
+    assert delta("flashsale_sale_writer_sales_total") == 5
+
+
+def test_the_writer_s_checkout_times_are_counted_in_cumulative_buckets(monkeypatch):
+    # Given the writer's count of handed-off checkouts, and a clock it reads at each answer
+    answered = writer.Answered()
+    clock = [0.0]
+    monkeypatch.setattr(writer.time, "monotonic", lambda: clock[0])
+
+    # When three lua checkouts are answered 0.5 ms, 3 ms and 10 s after they began, and a
+    # segmented one 1 ms after (a bound is in its own bucket)
+    for seconds, strategy, outcome in (
+        (0.0005, "lua", "accepted"),
+        (0.003, "lua", "accepted"),
+        (10.0, "lua", "busy"),
+        (0.001, "segmented", "sold_out"),
+    ):
+        clock[0] = seconds
+        answered.count(strategy, outcome, 0.0)
+    stats = answered.stats()
+
+    # Then each outcome is counted, and each strategy's times are in Prometheus's form
+    assert stats["outcomes"] == [
+        ["lua", "accepted", 2],
+        ["lua", "busy", 1],
+        ["segmented", "sold_out", 1],
+    ]
+    lua = dict((str(bound), count) for bound, count in stats["seconds"]["lua"]["buckets"])
+    assert (lua["0.001"], lua["0.0025"], lua["0.005"], lua["2.5"], lua["5.0"]) == (1, 1, 2, 2, 2)
+    assert lua["+Inf"] == 3 and stats["seconds"]["lua"]["sum"] == pytest.approx(10.0035)
+    segmented = stats["seconds"]["segmented"]["buckets"]
+    assert segmented[0] == [0.001, 1] and segmented[-1] == ["+Inf", 1]
+
+
+def test_a_hand_off_that_says_it_began_elsewhere_in_time_is_timed_from_its_arrival():
+    # A checkout's start is taken from its web process only where it is plausible: a number of
+    # this host's clock, before the writer read it and less than a minute before
+    arrived = 1000.0
+    assert writer._began(999.5, arrived) == 999.5
+    for said in (None, "999.5", 1000.5, arrived - writer.MOST_BEGUN - 1, float("nan"), True):
+        assert writer._began(said, arrived) == arrived
+
+
+def test_metrics_say_when_the_writer_does_not_answer(tmp_path):
+    # Given a server configured with a sale writer that is not running
+    server = start_shop(FLASHSALE_SALE_WRITER=str(tmp_path / "nobody.sock"))
+    try:
+        # Then a scrape still answers, the writer shown down and none of its figures
+        samples = _scrape(server.url)
+    finally:
+        server.stop()
+    assert samples[("flashsale_sale_writer_up", ())] == 0
+    assert not [name for name, _ in samples if name.startswith("flashsale_sale_writer_c")]
 
 
 @pytest.mark.parametrize("strategy", ["lua", "segmented"])
