@@ -486,6 +486,21 @@ def _lock_request(item: Item, buyer: str, start: int = 0) -> dict:
     )
 
 
+def _lua_request(
+    item: Item, buyer: str, *, limit: int | None = None, cursor: str | None = None
+) -> dict:
+    """A lua checkout's request for one unit, as a web process hands it off."""
+    record = SaleRecorder(item=item, qty=1, buyer=buyer, idempotency_key=None, limit=limit)
+    return writer.sale_request(
+        sku=item.sku,
+        cursor=cursor or keys.turn(item),
+        rows=item.shard_count,
+        qty=1,
+        claim=None,
+        sale=record.request(served_by="lua"),
+    )
+
+
 def test_a_refused_checkout_s_shard_lock_is_released_while_the_writer_s_threads_are_busy(
     writer_in_thread,
 ):
@@ -591,15 +606,7 @@ def test_a_handed_off_request_naming_other_keys_is_refused_with_the_reason(
         request = _lock_request(item, "ann")
         request["lock"]["name"] = "elsewhere:lock:{item:widget:shard:0}"
     else:
-        record = SaleRecorder(item=item, qty=1, buyer="ann", idempotency_key=None, limit=None)
-        request = writer.sale_request(
-            sku="widget",
-            cursor="elsewhere:turn",
-            rows=item.shard_count,
-            qty=1,
-            claim=None,
-            sale=record.request(served_by="lua"),
-        )
+        request = _lua_request(item, "ann", cursor="elsewhere:turn")
 
     # When it hands a checkout to the writer
     with _handed_by_hand(writer_in_thread.path, request) as client:
@@ -623,15 +630,7 @@ def test_a_writer_with_no_direct_way_answers_busy_and_gives_the_units_back(write
     start_sale(sku="widget", stock=10, strategy="lua", limit=1)
     item = Item.objects.get(sku="widget")
     place_order(sku="widget", qty=1, buyer="ann")
-    record = SaleRecorder(item=item, qty=1, buyer="ann", idempotency_key=None, limit=1)
-    request = writer.sale_request(
-        sku="widget",
-        cursor=keys.turn(item),
-        rows=item.shard_count,
-        qty=1,
-        claim=None,
-        sale=record.request(served_by="lua"),
-    )
+    request = _lua_request(item, "ann", limit=1)
 
     # When she checks out again, handed off, and her batch refuses it
     with _handed_by_hand(writer_in_thread.path, request) as client:
