@@ -488,11 +488,11 @@ class _Buyer:
     #: When its web process began the checkout (monotonic: one clock for every process of
     #: the host), else when the writer read it.
     began: float = 0.0
-    #: Counts each answer (`Answered.count`).
-    answered: Answered | None = None
+    #: The writer's count of what it answered (`Answered.count`).
+    checkouts: Answered | None = None
 
     @classmethod
-    def of(cls, request: dict[str, Any], fd: int, answered: Answered | None = None) -> _Buyer:
+    def of(cls, request: dict[str, Any], fd: int, checkouts: Answered | None = None) -> _Buyer:
         """The buyer of a handed-off request, on connection `fd` (which it owns from here).
         Raises ValueError for a reply it cannot answer with."""
         sock = socket.socket(fileno=fd)
@@ -507,7 +507,7 @@ class _Buyer:
             raise ValueError(f"a hand-off's reply: {exc!r}") from None
         sock.setblocking(False)
         buyer.began = _began(request.get("began"), buyer.arrived)
-        buyer.answered = answered
+        buyer.checkouts = checkouts
         return buyer
 
     def respond(
@@ -517,9 +517,6 @@ class _Buyer:
         What the socket does not take at once is sent by `finish` (the caller's choice of
         thread: `SaleWriter._respond`). `outcome`: `accepted` or the API's error code,
         counted with the checkout's time."""
-        if self.answered is not None:
-            strategy = str(self.sale.get("served_by") or NO_STRATEGY)
-            self.answered.count(strategy, outcome if outcome in OUTCOMES else "error", self.began)
         lines = [
             f"{self.version} {status} {HTTPStatus(status).phrase}\r\n",
             f"Server: {self.server}\r\nDate: {_http_date()}\r\nConnection: close\r\n",
@@ -528,6 +525,9 @@ class _Buyer:
         lines += [f"{name}: {value}\r\n" for name, value in self.headers]
         lines.append(f"Content-Length: {len(content)}\r\n\r\n")
         data = "".join(lines).encode("latin-1") + content
+        if self.checkouts is not None:
+            strategy = str(self.sale.get("served_by") or NO_STRATEGY)
+            self.checkouts.count(strategy, outcome if outcome in OUTCOMES else "error", self.began)
         self.closed = True
         try:
             sent = self.sock.send(data)
@@ -625,6 +625,12 @@ class Answered:
             counts[0][bisect.bisect_left(SECONDS, seconds)] += 1
             counts[1] += seconds
 
+    @property
+    def total(self) -> int:
+        """How many it counted."""
+        with self._lock:
+            return sum(self._outcomes.values())
+
     def stats(self) -> dict[str, Any]:
         """{"outcomes": [[strategy, outcome, count], ...], "seconds": {strategy: {"buckets":
         [[bound, count at or below it], ..., ["+Inf", count]], "sum": seconds}}}: cumulative,
@@ -706,11 +712,10 @@ class SaleWriter:
         #: Its database connections: the thread's own, and others made in `serve_forever`.
         self._databases: list[Any] = []
         self.connections = settings.FLASHSALE_SALE_WRITER_CONNECTIONS
-        #: Handed-off checkouts answered (`_Buyer`), and of those, how many the direct way.
-        self.answered = 0
-        self.answered_directly = 0
-        #: What it answered them, and how long they took (`/metrics`).
+        #: What it answered handed-off checkouts (`_Buyer`), and how long they took
+        #: (`/metrics`); how many of them were answered the direct way.
         self.checkouts = Answered()
+        self.answered_directly = 0
         #: Shards locked for handed-off `segmented` checkouts (`lock_request`), and how many of
         #: those checkouts waited for one.
         self.locked = 0
@@ -983,7 +988,7 @@ class SaleWriter:
             "take_cpu_seconds": self.take_cpu,
             "commit_seconds": self.commit_seconds,
             "commit_cpu_seconds": self.commit_cpu,
-            "answered": self.answered,
+            "answered": self.checkouts.total,
             "answered_directly": self.answered_directly,
             "locked": self.locked,
             "lock_waits": self.lock_waits,
@@ -1002,7 +1007,6 @@ class SaleWriter:
     def _respond(self, buyer: _Buyer, answer: dict[str, Any]) -> None:
         """Answer a handed-off checkout: sold and sold out here, anything else the way a web
         process would, in one of the writer's threads."""
-        self.answered += 1
         outcome = answer["o"]
         if outcome == "sold":
             buyer.created(answer)
