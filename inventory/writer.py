@@ -123,8 +123,12 @@ class WriterLost(Exception):
     """The request was sent but no answer came: it may have been written or not."""
 
 
+#: `json.dumps(..., separators=...)` builds an encoder per call: one, made once.
+_encode = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def _line(message: dict[str, Any]) -> bytes:
-    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+    return _encode(message).encode() + b"\n"
 
 
 #: The environ keys of a hand-off (`shop.handoff.HandOffWorker`): the client's connection the

@@ -12,6 +12,7 @@ import time
 
 import pytest
 from django.db import connections
+from django.db.models.signals import post_init
 from django.test.utils import CaptureQueriesContext
 
 import inventory.services
@@ -230,6 +231,29 @@ def test_the_order_a_checkout_returns_is_the_row_it_committed(strategy, settings
     with CaptureQueriesContext(connections["default"]) as queries:
         assert built.item.sku == "as-read"
     assert len(queries) == 0
+
+
+def test_an_order_built_from_its_row_sends_init_signals_to_anyone_listening():
+    # Given a receiver of post_init (the order is built without Model.__init__ while nobody
+    # listens to its signals)
+    start_sale(sku="heard", stock=5, strategy="lua")
+    built: list[Order] = []
+
+    def heard(sender, instance, **kwargs):
+        if sender is Order:
+            built.append(instance)
+
+    post_init.connect(heard)
+    try:
+        # When a checkout places an order
+        order = place_order(sku="heard", qty=1, buyer="ann").order
+    finally:
+        post_init.disconnect(heard)
+
+    # Then the receiver saw it built, and it is the committed row
+    assert built == [order] and built[0] is order
+    assert order._state.adding is False
+    assert Order.objects.get(pk=order.pk).public_id == order.public_id
 
 
 def test_a_checkout_for_a_restarted_sale_takes_nothing_from_the_new_one():
