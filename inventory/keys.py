@@ -82,7 +82,12 @@ def rows(item: Item) -> list[str]:
 
 
 def turn(item: Item) -> str:
-    return sale_key(item, "turn")
+    return _turn(settings.FLASHSALE_REDIS_PREFIX, item.sku, item.current_sale_id)
+
+
+@lru_cache(maxsize=1024)
+def _turn(prefix: str, sku: str, sale_id: int | None) -> str:
+    return _in_sale(sku, sale_id, "turn")
 
 
 def sale_counters(sku: str, sale_id: int, count: int) -> tuple[str, tuple[str, ...]]:

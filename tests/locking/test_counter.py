@@ -335,7 +335,17 @@ def test_many_takes_in_one_script_answer_each_as_if_run_alone(r: redis.Redis, pr
 
 @pytest.mark.parametrize(
     ("cursor", "counters", "qty"),
-    [("t", [], 1), ("t", ["k"], 0), ("t", ["k"], True), ("t", "k", 1), (None, ["k"], 1)],
+    [
+        ("t", [], 1),
+        ("t", ["k"], 0),
+        ("t", ["k"], True),
+        ("t", "k", 1),
+        (None, ["k"], 1),
+        ("t", ("k", 1), 1),
+        ("t", ("k", ["j"]), 1),
+        ("t", ["k", b"j"], 1),
+        ("t", (), 1),
+    ],
 )
 def test_a_take_with_bad_arguments_is_refused_before_redis(cursor, counters, qty) -> None:
     from locking.counter import Take
