@@ -100,8 +100,9 @@ class Sold:
         return committed_order(self.order_fields, self.item)
 
 
-#: Order's columns (those a sale leaves unset: None).
+#: Order's columns, in the order `Order.from_db` takes them.
 _ORDER_FIELDS = [model_field.attname for model_field in Order._meta.concrete_fields]
+#: Each column None: the value of those a sale leaves unset.
 _NO_ORDER_FIELDS = dict.fromkeys(_ORDER_FIELDS)
 
 
@@ -111,7 +112,7 @@ def committed_order(fields: dict[str, Any], item: Item) -> Order:
 
     As the ORM builds a row it read (`Model.from_db`: an instance that is not `adding`, of the
     default database), less its per-field work: `Model.__init__` sets each of the fourteen
-    fields through its descriptor, which cost a fifth of a `lua` checkout's CPU in the web
+    fields through its descriptor, which cost a fifth of a `lua` checkout's CPU in the buying
     process. Nothing is lost while nobody listens to `pre_init`/`post_init` (the signals
     `__init__` sends); while anyone does, the order is built through `from_db` after all.
     """
@@ -475,8 +476,9 @@ WHERE (SELECT count(*) FROM locked) >= 0
 _REFUSED_SQLSTATES = frozenset({"FS001", "23505", "23514"})
 
 
-#: `json.dumps(..., separators=...)` builds an encoder per call: one, made once.
-_compact = json.JSONEncoder(separators=(",", ":")).encode
+#: JSON without spaces (`json.dumps(..., separators=...)` builds an encoder per call: one,
+#: made once). The batch's statement and the sale writer's messages use it.
+compact_json = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def _batch_parameters(requests: list[dict[str, Any]], at: datetime, wait: str) -> dict[str, Any]:
@@ -499,7 +501,7 @@ def _batch_parameters(requests: list[dict[str, Any]], at: datetime, wait: str) -
                 fences.setdefault(row, []).append(held[index])
     rows = sorted(needed)
     return {
-        "batch": _compact(requests),
+        "batch": compact_json(requests),
         "at": at,
         "wait": wait,
         "sales": [sale for sale, _, _ in rows],

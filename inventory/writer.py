@@ -123,12 +123,8 @@ class WriterLost(Exception):
     """The request was sent but no answer came: it may have been written or not."""
 
 
-#: `json.dumps(..., separators=...)` builds an encoder per call: one, made once.
-_encode = json.JSONEncoder(separators=(",", ":")).encode
-
-
 def _line(message: dict[str, Any]) -> bytes:
-    return _encode(message).encode() + b"\n"
+    return stock.compact_json(message).encode() + b"\n"
 
 
 #: The environ keys of a hand-off (`shop.handoff.HandOffWorker`): the client's connection the
