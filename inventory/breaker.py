@@ -45,6 +45,12 @@ class CircuitBreaker:
     def is_open(self) -> bool:
         return self._retry_at is not None
 
+    @property
+    def trial_due(self) -> bool:
+        """Whether it is open and its wait is over: the next `allow()` tries the dependency."""
+        retry_at = self._retry_at
+        return retry_at is not None and time.monotonic() >= retry_at
+
     def record_failure(self, exc: BaseException) -> None:
         """The dependency failed: open (or keep open) and try again after the interval."""
         if self._retry_at is None:

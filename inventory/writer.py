@@ -42,7 +42,10 @@ A buyer that cannot reach the writer sells the direct way. A buyer whose writer 
 request was sent answers `503 busy`: the sale may have been committed (a retry with the
 idempotency key finds it), so no fallback may sell it again. When Redis fails in the take,
 nothing was written and nothing will be: the buyer gets Redis's error, and the fallback serves
-it, as for a direct checkout.
+it, as for a direct checkout. The failure opens the writer's breaker in front of Redis (the
+process's, `inventory.breaker`): until its probe, run in one of the writer's threads, finds Redis
+back and rebuilt, the writer calls no script and answers every take and lock at once as Redis's
+error, so that a Redis that hangs stalls the one thread for one timeout, not one per batch.
 
 The protocol is one JSON object per line each way; one request at a time per connection.
 A request to take is `sale_request`'s, one to write as it is `write_request`'s.
@@ -93,6 +96,7 @@ from locking import Lock, LockError, release_each_call, scripts
 from locking.counter import Claim, LockFirst, StockCounter, Take
 
 from . import keys, publishing, stock
+from .breaker import breaker as redis_breaker
 from .exceptions import Busy, SoldOut
 from .metrics import NO_STRATEGY, OUTCOMES, SECONDS
 from .redis_client import REDIS_DOWN_ERRORS, get_redis_client
@@ -113,6 +117,8 @@ MAX_SHARDS = 1024
 
 #: What a release of holders' locks may fail with: then their holders release them.
 _RELEASE_ERRORS: tuple[type[Exception], ...] = (*REDIS_DOWN_ERRORS, ResponseError)
+#: What a take or a lock is answered (`"e"`) while the writer's breaker in front of Redis is open.
+BREAKER_OPEN = "the Redis breaker is open"
 
 
 class WriterUnavailable(Exception):
@@ -727,6 +733,10 @@ class SaleWriter:
         self.lock_wait = settings.FLASHSALE_LOCK_WAIT_MS / 1000
         self.lock_ttl_ms = settings.FLASHSALE_LOCK_TTL_MS
         self._directly = ThreadPoolExecutor(DIRECT_THREADS, thread_name_prefix="sale-writer-direct")
+        #: Whether a probe of Redis (`_probe_redis`) is queued or running in a thread.
+        self._probing = False
+        #: Takes and locks answered as Redis's error without a call while the breaker was open.
+        self.skipped_redis = 0
 
     @property
     def backend_pid(self) -> int | None:
@@ -992,6 +1002,7 @@ class SaleWriter:
             "answered_directly": self.answered_directly,
             "locked": self.locked,
             "lock_waits": self.lock_waits,
+            "skipped_redis": self.skipped_redis,
             "checkouts": self.checkouts.stats(),
         }
 
@@ -1078,8 +1089,10 @@ class SaleWriter:
         """Release a handed-off holder's locks ({index: [name, token, hint]}) by its tokens,
         each to its first waiter, leaving the hints as they are (a hint too high is corrected
         by the next sale the database refuses). A lock no longer held by that token is left
-        alone; when Redis fails, the locks expire."""
+        alone; when Redis fails (or is known down), the locks expire."""
         for name, token, _ in (release or {}).values():
+            if self._redis_down():
+                return
             lock = Lock(self._counter.redis, name)
             lock.local.token = token.encode()
             try:
@@ -1087,7 +1100,31 @@ class SaleWriter:
             except LockError:
                 pass  # expired, or released already
             except REDIS_DOWN_ERRORS as exc:
+                redis_breaker.record_failure(exc)
                 logger.warning("sale writer: could not release %s (%s)", name, exc)
+
+    def _redis_down(self) -> bool:
+        """Whether Redis is known down: this process's breaker is open. Then the loop calls no
+        script; once the breaker's wait is over, its probe (a ping, then what a recovered Redis
+        needs: `inventory.breaker`) runs in one of the writer's threads, which closes it."""
+        if not redis_breaker.is_open:
+            return False
+        if not self._probing and redis_breaker.trial_due:
+            self._probing = True
+            self._directly.submit(self._probe_redis)
+        return True
+
+    def _probe_redis(self) -> None:
+        """In a thread: try Redis again (the breaker's probe: it rebuilds the counters from the
+        database before it closes)."""
+        try:
+            close_old_connections()
+            redis_breaker.allow()
+        except Exception:
+            logger.exception("sale writer: the probe of Redis failed")
+        finally:
+            self._probing = False
+            connections.close_all()
 
     def _give_back(self, request: dict[str, Any], rows: dict[str, int] | None) -> None:
         """The units a take got for a request the batch did not sell, back to their counters."""
@@ -1133,6 +1170,11 @@ class SaleWriter:
             self._lock_shards(to_lock)
         if not takes:
             return
+        if self._redis_down():
+            self.skipped_redis += len(takes)
+            for conn, _, _ in takes:
+                self._answer(conn, {"o": "redis_down", "e": BREAKER_OPEN})
+            return
         started = time.perf_counter()
         cpu0 = time.thread_time()
         try:
@@ -1141,6 +1183,7 @@ class SaleWriter:
             # Nothing of these requests is written, and none will be: the buyers' fallback
             # may serve them. Units the script took before the failure come back when the
             # counters are rebuilt from the database, as after any outage.
+            redis_breaker.record_failure(exc)
             for conn, _, _ in takes:
                 self._answer(conn, {"o": "redis_down", "e": exc.__class__.__name__})
             return
@@ -1184,6 +1227,11 @@ class SaleWriter:
                 calls.append(call)
         if not candidates:
             return
+        if self._redis_down():
+            self.skipped_redis += len(candidates)
+            for buyer in candidates:
+                self._respond(buyer, {"o": "redis_down", "e": BREAKER_OPEN})
+            return
         counted = {buyer for buyer, _ in waiting}  # their waits are counted already
         started = time.perf_counter()
         cpu0 = time.thread_time()
@@ -1192,6 +1240,7 @@ class SaleWriter:
         except REDIS_DOWN_ERRORS as exc:
             # Locks a script took before the failure expire with their lifetime: no token of
             # theirs is known to anyone but this call. The checkouts go to the fallback.
+            redis_breaker.record_failure(exc)
             for buyer in candidates:
                 self._respond(buyer, {"o": "redis_down", "e": exc.__class__.__name__})
             return
@@ -1303,13 +1352,15 @@ class SaleWriter:
                 _, hint_keys, hint_args = StockCounter.set_newer_call({hint: (left, version)})
                 releases.append((name, token, hint_keys, hint_args))
                 released.setdefault(place, []).append(index)
-        if not releases:
+        if not releases or self._redis_down():
             return {}
         source, keys_, args = release_each_call(scripts.STOCK_SET_NEWER, releases)
         client = self._counter.redis
         try:
             scripts.script_for(client, source)(keys=keys_, args=args)
         except _RELEASE_ERRORS as exc:
+            if isinstance(exc, REDIS_DOWN_ERRORS):
+                redis_breaker.record_failure(exc)
             logger.warning("sale writer: could not release %d locks (%s)", len(releases), exc)
             return {}
         self.released += len(releases)

@@ -64,6 +64,20 @@ def _no_remembered_item_pages() -> None:
     forget_item_pages()
 
 
+@pytest.fixture(autouse=True)
+def _breakers_closed() -> Iterator[None]:
+    """Each test starts with this process's breakers closed: a failure an earlier test made
+    (a sale writer in a thread of this process shares them) would send its checkouts to the
+    fallback."""
+    from inventory.breaker import breaker, broker_breaker
+
+    breaker.reset()
+    broker_breaker.reset()
+    yield
+    breaker.reset()
+    broker_breaker.reset()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _drop_load_run_database(django_db_setup, django_db_blocker) -> Iterator[None]:
     """Load runs started by the tests sell in `<test database>_loadrun`: gone afterwards."""

@@ -64,13 +64,14 @@ def test_checkout_survives_redis_outage(outage_shop, private_redis, strategy, ou
 
 
 @pytest.mark.parametrize("strategy", ["segmented", "lua"])
-def test_checkout_through_the_sale_writer_survives_redis_killed(private_redis, strategy):
+@pytest.mark.parametrize("outage", ["killed", "paused"])
+def test_checkout_through_the_sale_writer_survives_redis_outage(private_redis, strategy, outage):
     # The same with the web processes handing their sales to a sale writer on that Redis
     writer = SaleWriterProcess(server_env(**OUTAGE_SETTINGS)).start()
     server = start_shop(**OUTAGE_SETTINGS, **writer.env())
     try:
         sold_before = writer_stats(writer.path)["sales"]
-        _sale_through_an_outage(server.url, private_redis, strategy, "killed")
+        _sale_through_an_outage(server.url, private_redis, strategy, outage)
         # and the writer wrote sales before the outage (its holders and takers came back)
         assert writer_stats(writer.path)["sales"] > sold_before
     finally:

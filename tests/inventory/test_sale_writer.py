@@ -13,7 +13,10 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import redis
@@ -31,7 +34,7 @@ from inventory.redis_client import get_redis_client
 from inventory.selectors import audit_sale
 from inventory.services import place_order, start_sale
 from inventory.strategies import plumbing, segmented
-from inventory.writer import OrderRelay, write_request, writer_stats
+from inventory.writer import BREAKER_OPEN, OrderRelay, write_request, writer_stats
 from loadtest.flood import flood
 from shop.processes.servers import SaleWriter as SaleWriterProcess
 from tests.conftest import TASK_QUEUE, server_env, start_shop
@@ -438,40 +441,47 @@ def test_sale_writer_command_says_what_is_wrong(writer_in_thread, settings):
     assert {signum: signal.getsignal(signum) for signum in handlers} == handlers
 
 
-def test_redis_down_under_the_writer_sends_checkouts_to_the_fallback(settings):
+@contextmanager
+def _lua_sale_on_a_redis_of_its_own(settings, probe_seconds: float) -> Iterator[tuple[Any, Any]]:
+    """A `lua` sale of 10 units selling through a writer in a thread, on a Redis server of the
+    test's own (short timeouts), one unit sold through the writer: (the server, the writer).
+    The test sells two more; then the audit: 3 sold, none oversold, Redis agreeing."""
     from inventory.breaker import breaker
     from shop.processes.redis_server import RedisServer
 
     settings.FLASHSALE_REDIS_TIMEOUT = 0.2
     settings.FLASHSALE_REDIS_CONNECT_TIMEOUT = 0.2
-    settings.FLASHSALE_BREAKER_PROBE_SECONDS = 0.2
+    settings.FLASHSALE_BREAKER_PROBE_SECONDS = probe_seconds
     with RedisServer() as redis_server:
         settings.REDIS_URL = redis_server.url
         try:
             with serving() as writer:
                 settings.FLASHSALE_SALE_WRITER = writer.path
-                # Given a lua sale selling through the writer
                 start_sale(sku="widget", stock=10, strategy="lua")
                 place_order(sku="widget", qty=1, buyer="ann")
                 assert writer.sales == 1
-
-                # When Redis dies, the writer's take fails: nothing is written, and the
-                # checkout is served by the database fallback
-                redis_server.kill()
-                bob = place_order(sku="widget", qty=1, buyer="bob").order
-                assert bob.fallback and writer.sales == 1
-
-                # and once Redis is back (empty), rebuilt from the database, through the
-                # writer again
-                redis_server.restart()
-                time.sleep(0.3)
-                cat = place_order(sku="widget", qty=1, buyer="cat").order
-                assert not cat.fallback and writer.sales == 2
+                yield redis_server, writer
         finally:
             breaker.reset()
         audit = audit_sale("widget")
         assert audit["oversold"] == 0 and audit["accepted_units"] == 3, audit
         assert audit["db_stock"] == audit["redis_stock"] == 7 and audit["consistent"], audit
+
+
+def test_redis_down_under_the_writer_sends_checkouts_to_the_fallback(settings):
+    # Given a lua sale selling through the writer
+    with _lua_sale_on_a_redis_of_its_own(settings, probe_seconds=0.2) as (redis_server, writer):
+        # When Redis dies, the writer's take fails: nothing is written, and the checkout is
+        # served by the database fallback
+        redis_server.kill()
+        bob = place_order(sku="widget", qty=1, buyer="bob").order
+        assert bob.fallback and writer.sales == 1
+
+        # and once Redis is back (empty), rebuilt from the database, through the writer again
+        redis_server.restart()
+        time.sleep(0.3)
+        cat = place_order(sku="widget", qty=1, buyer="cat").order
+        assert not cat.fallback and writer.sales == 2
 
 
 def test_the_writer_runs_at_the_niceness_it_is_given():
@@ -656,6 +666,68 @@ def test_the_writer_hands_a_released_shard_lock_to_its_first_waiter(writer_in_th
     ((acquired, token, stored),) = got
     assert acquired and stored == token
     assert plumbing.counter().get(keys.row(item, 0)) == 1  # 2 a shard, one sold
+
+
+def test_a_redis_that_hangs_under_the_writer_costs_its_loop_one_timeout(settings):
+    from inventory.breaker import breaker
+
+    # Given a lua sale selling through the writer
+    with _lua_sale_on_a_redis_of_its_own(settings, probe_seconds=0.3) as (redis_server, writer):
+        request = json.dumps(_good_request(Item.objects.get(sku="widget"))).encode() + b"\n"
+
+        # When Redis hangs (SIGSTOP: connections are accepted, nothing is answered)
+        redis_server.pause()
+        answers = [_raw(writer.path, request) for _ in range(5)]
+
+        # Then the first take waits out Redis's timeout and opens the breaker; the next four
+        # are answered Redis's error at once, with no script sent
+        assert [answer["o"] for answer in answers] == ["redis_down"] * 5, answers
+        assert answers[0]["e"] != BREAKER_OPEN, answers
+        assert [answer["e"] for answer in answers[1:]] == [BREAKER_OPEN] * 4
+        assert writer.skipped_redis == 4 and breaker.is_open
+        # and the checkouts meanwhile go to the database fallback
+        bob = place_order(sku="widget", qty=1, buyer="bob").order
+        assert bob.fallback and writer.sales == 1
+
+        # and once Redis answers again, the probe (run by whoever asks first after its wait)
+        # closes the breaker, and the writer takes and writes again
+        redis_server.resume()
+        time.sleep(0.4)
+        cat = place_order(sku="widget", qty=1, buyer="cat").order
+        assert not cat.fallback and writer.sales == 2 and not breaker.is_open
+
+
+def test_the_writer_answers_at_once_and_probes_in_a_thread_while_redis_is_known_down(
+    writer_in_thread, settings
+):
+    from inventory.breaker import breaker
+
+    # Given a lua sale, and this process's breaker in front of Redis open (a failure seen by
+    # anyone in the process), its wait not over
+    start_sale(sku="widget", stock=10, strategy="lua")
+    take = _good_request(Item.objects.get(sku="widget"))
+    take["sale"].update(served_by="lua", fallback=False, key=None, limit=None)
+    request = json.dumps(take).encode() + b"\n"
+    settings.FLASHSALE_BREAKER_PROBE_SECONDS = 60
+    breaker.record_failure(ConnectionError("seen elsewhere"))
+    try:
+        # When a take arrives, the writer calls no script: Redis's error, at once
+        assert _raw(writer_in_thread.path, request) == {"o": "redis_down", "e": BREAKER_OPEN}
+        assert writer_in_thread.skipped_redis == 1 and breaker.is_open
+
+        # and once the wait is over, the next take queues the probe in a thread, which finds
+        # Redis answering and closes the breaker; the takes after it sell
+        settings.FLASHSALE_BREAKER_PROBE_SECONDS = 0
+        breaker.record_failure(ConnectionError("seen again"))
+        assert _raw(writer_in_thread.path, request)["o"] == "redis_down"
+        deadline = time.monotonic() + 5
+        while breaker.is_open and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not breaker.is_open
+        assert _raw(writer_in_thread.path, request)["o"] == "sold"
+        assert writer_in_thread.sales == 1 and writer_in_thread.skipped_redis == 2
+    finally:
+        breaker.reset()
 
 
 def test_a_holder_releases_its_lock_itself_when_the_writer_cannot(writer_in_thread):
