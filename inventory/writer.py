@@ -1090,9 +1090,9 @@ class SaleWriter:
         each to its first waiter, leaving the hints as they are (a hint too high is corrected
         by the next sale the database refuses). A lock no longer held by that token is left
         alone; when Redis fails (or is known down), the locks expire."""
-        for name, token, _ in (release or {}).values():
-            if self._redis_down():
-                return
+        if not release or self._redis_down():
+            return
+        for name, token, _ in release.values():
             lock = Lock(self._counter.redis, name)
             lock.local.token = token.encode()
             try:
@@ -1113,6 +1113,12 @@ class SaleWriter:
             self._probing = True
             self._directly.submit(self._probe_redis)
         return True
+
+    def _answer_redis_down(self, conns: Iterable[_Connection | _Buyer], why: str) -> None:
+        """Redis's error, for requests of which nothing was taken or locked: their buyers'
+        fallback serves them (a handed-off checkout's, in a thread: `_respond`)."""
+        for conn in conns:
+            self._answer(conn, {"o": "redis_down", "e": why})
 
     def _probe_redis(self) -> None:
         """In a thread: try Redis again (the breaker's probe: it rebuilds the counters from the
@@ -1172,8 +1178,7 @@ class SaleWriter:
             return
         if self._redis_down():
             self.skipped_redis += len(takes)
-            for conn, _, _ in takes:
-                self._answer(conn, {"o": "redis_down", "e": BREAKER_OPEN})
+            self._answer_redis_down([conn for conn, _, _ in takes], BREAKER_OPEN)
             return
         started = time.perf_counter()
         cpu0 = time.thread_time()
@@ -1184,8 +1189,7 @@ class SaleWriter:
             # may serve them. Units the script took before the failure come back when the
             # counters are rebuilt from the database, as after any outage.
             redis_breaker.record_failure(exc)
-            for conn, _, _ in takes:
-                self._answer(conn, {"o": "redis_down", "e": exc.__class__.__name__})
+            self._answer_redis_down([conn for conn, _, _ in takes], exc.__class__.__name__)
             return
         except (ResponseError, ValueError) as exc:
             for conn, _, _ in takes:
@@ -1229,8 +1233,7 @@ class SaleWriter:
             return
         if self._redis_down():
             self.skipped_redis += len(candidates)
-            for buyer in candidates:
-                self._respond(buyer, {"o": "redis_down", "e": BREAKER_OPEN})
+            self._answer_redis_down(candidates, BREAKER_OPEN)
             return
         counted = {buyer for buyer, _ in waiting}  # their waits are counted already
         started = time.perf_counter()
@@ -1241,8 +1244,7 @@ class SaleWriter:
             # Locks a script took before the failure expire with their lifetime: no token of
             # theirs is known to anyone but this call. The checkouts go to the fallback.
             redis_breaker.record_failure(exc)
-            for buyer in candidates:
-                self._respond(buyer, {"o": "redis_down", "e": exc.__class__.__name__})
+            self._answer_redis_down(candidates, exc.__class__.__name__)
             return
         except (ResponseError, ValueError) as exc:
             for buyer in candidates:
