@@ -2,18 +2,21 @@
 
 Closed: calls go through. The first connection error or timeout opens the breaker: callers skip
 the dependency (and its timeout) at once. Every `probe_seconds` one caller gets to try again:
-with a `probe`, the breaker runs it itself and closes only if it succeeds; without one, the
+with a `probe`, the breaker runs it in a thread of its own (the caller skips as before, so no
+request waits on a dependency that may hang) and closes only if it succeeds; without one, the
 caller's own call is the trial and it reports back with `record_success` / `record_failure`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 
 from django.conf import settings
+from django.db import connections
 
 from . import metrics
 from .redis_client import REDIS_DOWN_ERRORS, ping
@@ -39,17 +42,18 @@ class CircuitBreaker:
         self._probe_errors = probe_errors
         self._trial_lock = threading.Lock()
         self._retry_at: float | None = None
+        self._prober: threading.Thread | None = None
         self.opened_count = 0
+        # A child forked while this process's probe ran must not inherit its lock held.
+        os.register_at_fork(after_in_child=self._forget_trial)
+
+    def _forget_trial(self) -> None:
+        self._trial_lock = threading.Lock()
+        self._prober = None
 
     @property
     def is_open(self) -> bool:
         return self._retry_at is not None
-
-    @property
-    def trial_due(self) -> bool:
-        """Whether it is open and its wait is over: the next `allow()` tries the dependency."""
-        retry_at = self._retry_at
-        return retry_at is not None and time.monotonic() >= retry_at
 
     def record_failure(self, exc: BaseException) -> None:
         """The dependency failed: open (or keep open) and try again after the interval."""
@@ -66,28 +70,70 @@ class CircuitBreaker:
         self._retry_at = None
 
     def allow(self) -> bool:
-        """Whether this call may use the dependency now."""
+        """Whether this call may use the dependency now. Never waits on it: when a probe is
+        due, it starts in a thread and this call is told no, as while the wait runs."""
         retry_at = self._retry_at
         if retry_at is None:
             return True
         if time.monotonic() < retry_at or not self._trial_lock.acquire(blocking=False):
             return False
+        if self._retry_at is None:
+            self._trial_lock.release()
+            return True
+        # Until the trial reports, others keep skipping.
+        self._retry_at = time.monotonic() + self._probe_seconds()
+        if self._probe is None:
+            # This caller is the trial.
+            self._trial_lock.release()
+            return True
         try:
-            if self._retry_at is None:
-                return True
-            if self._probe is None:
-                # This caller is the trial; until it reports, others keep skipping.
-                self._retry_at = time.monotonic() + self._probe_seconds()
-                return True
+            self._prober = threading.Thread(
+                target=self._run_probe, name=f"{self.metric}-breaker-probe", daemon=True
+            )
+            self._prober.start()
+        except BaseException:
+            self._trial_lock.release()
+            raise
+        return False
+
+    def probe_now(self) -> bool:
+        """Run the probe in this thread, unless one is running: whether the breaker is closed
+        after it. For callers that may wait (a health check), so that the process agrees with
+        what they saw at once."""
+        if self._retry_at is None:
+            return True
+        if self._probe is None or not self._trial_lock.acquire(blocking=False):
+            return False
+        self._probe_holding_the_trial()
+        return self._retry_at is None
+
+    def settle(self, timeout: float) -> None:
+        """Wait for a probe in flight to end (at most `timeout` seconds)."""
+        prober = self._prober
+        if prober is not None:
+            prober.join(timeout)
+
+    def _run_probe(self) -> None:
+        """Body of the probe's thread: the probe, then its database connections closed."""
+        try:
+            self._probe_holding_the_trial()
+        finally:
+            connections.close_all()
+
+    def _probe_holding_the_trial(self) -> None:
+        assert self._probe is not None
+        try:
             self._probe()
         except self._probe_errors as exc:
             self._retry_at = time.monotonic() + self._probe_seconds()
             logger.info("%s still unreachable (%s)", self.name, exc)
-            return False
+        except Exception:
+            self._retry_at = time.monotonic() + self._probe_seconds()
+            logger.exception("%s: the probe failed", self.name)
+        else:
+            self.record_success()
         finally:
             self._trial_lock.release()
-        self.record_success()
-        return True
 
     def reset(self) -> None:
         if self._retry_at is not None:

@@ -733,8 +733,6 @@ class SaleWriter:
         self.lock_wait = settings.FLASHSALE_LOCK_WAIT_MS / 1000
         self.lock_ttl_ms = settings.FLASHSALE_LOCK_TTL_MS
         self._directly = ThreadPoolExecutor(DIRECT_THREADS, thread_name_prefix="sale-writer-direct")
-        #: Whether a probe of Redis (`_probe_redis`) is queued or running in a thread.
-        self._probing = False
         #: Takes and locks answered as Redis's error without a call while the breaker was open.
         self.skipped_redis = 0
 
@@ -1106,31 +1104,14 @@ class SaleWriter:
     def _redis_down(self) -> bool:
         """Whether Redis is known down: this process's breaker is open. Then the loop calls no
         script; once the breaker's wait is over, its probe (a ping, then what a recovered Redis
-        needs: `inventory.breaker`) runs in one of the writer's threads, which closes it."""
-        if not redis_breaker.is_open:
-            return False
-        if not self._probing and redis_breaker.trial_due:
-            self._probing = True
-            self._directly.submit(self._probe_redis)
-        return True
+        needs: `inventory.breaker`) runs in a thread of its own, which closes it."""
+        return not redis_breaker.allow()
 
     def _answer_redis_down(self, conns: Iterable[_Connection | _Buyer], why: str) -> None:
         """Redis's error, for requests of which nothing was taken or locked: their buyers'
         fallback serves them (a handed-off checkout's, in a thread: `_respond`)."""
         for conn in conns:
             self._answer(conn, {"o": "redis_down", "e": why})
-
-    def _probe_redis(self) -> None:
-        """In a thread: try Redis again (the breaker's probe: it rebuilds the counters from the
-        database before it closes)."""
-        try:
-            close_old_connections()
-            redis_breaker.allow()
-        except Exception:
-            logger.exception("sale writer: the probe of Redis failed")
-        finally:
-            self._probing = False
-            connections.close_all()
 
     def _give_back(self, request: dict[str, Any], rows: dict[str, int] | None) -> None:
         """The units a take got for a request the batch did not sell, back to their counters."""

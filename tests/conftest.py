@@ -74,6 +74,7 @@ def _breakers_closed() -> Iterator[None]:
     breaker.reset()
     broker_breaker.reset()
     yield
+    breaker.settle(timeout=10)  # a probe the test started: done before its data goes
     breaker.reset()
     broker_breaker.reset()
 
