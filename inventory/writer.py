@@ -1087,18 +1087,26 @@ class SaleWriter:
         """Release a handed-off holder's locks ({index: [name, token, hint]}) by its tokens,
         each to its first waiter, leaving the hints as they are (a hint too high is corrected
         by the next sale the database refuses). A lock no longer held by that token is left
-        alone; when Redis fails (or is known down), the locks expire."""
-        if not release or self._redis_down():
+        alone. When Redis fails (or is known down), the locks are remembered as in doubt: the
+        breaker's recovery releases them once Redis answers, if still theirs (else they expire)."""
+        from .strategies.plumbing import remember_unsettled  # (which imports this module)
+
+        if not release:
             return
-        for name, token, _ in release.values():
+        locks = [(name, token.encode()) for name, token, _ in release.values()]
+        if self._redis_down():
+            remember_unsettled(locks)
+            return
+        for name, token in locks:
             lock = Lock(self._counter.redis, name)
-            lock.local.token = token.encode()
+            lock.local.token = token
             try:
                 lock.release()
             except LockError:
                 pass  # expired, or released already
             except REDIS_DOWN_ERRORS as exc:
                 redis_breaker.record_failure(exc)
+                remember_unsettled([(name, token)])
                 logger.warning("sale writer: could not release %s (%s)", name, exc)
 
     def _redis_down(self) -> bool:

@@ -763,6 +763,30 @@ def test_a_holder_releases_its_lock_itself_when_the_writer_cannot(writer_in_thre
     assert audit["db_stock"] == audit["redis_stock"] == 49 and audit["consistent"], audit
 
 
+def test_a_handed_off_holders_locks_the_writer_could_not_release_go_on_recovery(writer_in_thread):
+    from inventory.breaker import breaker
+    from locking import Lock
+
+    # Given a segmented sale, one of whose shard locks a handed-off holder holds
+    start_sale(sku="widget", stock=50, strategy="segmented")
+    item = Item.objects.get(sku="widget")
+    client = get_redis_client()
+    name = keys.shard_locks(item)[0]
+    holder = Lock(client, name, timeout=60)
+    assert holder.acquire(blocking=False)
+    token = holder.local.token
+
+    # When its sale is answered while the writer's breaker in front of Redis is open
+    breaker.record_failure(ConnectionError("seen elsewhere"))
+    writer_in_thread._release_holder({"0": [name, token.decode(), keys.row(item, 0)]})
+
+    # Then nothing is sent to Redis: the lock is still the holder's
+    assert client.get(name) == token
+    # and once the breaker's probe finds Redis answering, its recovery releases it
+    assert breaker.probe_now()
+    assert not client.exists(name)
+
+
 def _unused_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
