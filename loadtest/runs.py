@@ -1060,7 +1060,8 @@ def measure_window(
     It starts once the crowd is in (the first order plus the crowd's ramp) and ends `window`
     seconds later, or at the last order if that came sooner: when the stock ran out, or when
     the sale was cut off. `held` says whether it lasted the whole window. A sale over before
-    its crowd was in is measured from its first order to its last.
+    its crowd was in (no order between the crowd being in and the last one: at most that
+    last straggler) is measured from its first order to its last.
     """
     target = config.window
     if not orders:
@@ -1069,10 +1070,11 @@ def measure_window(
     first, last = orders[0][0], orders[-1][0]
     start = first + timedelta(seconds=config.ramp_seconds)
     end = min(start + timedelta(seconds=target), last)
-    if end <= start:  # sold out (or cut off) before the crowd was in
-        start, end = first, last
-    seconds = (end - start).total_seconds()
     units = sum(qty for at, qty in orders if start <= at < end)
+    if end <= start or not units:  # sold out (or cut off) before the crowd was in
+        start, end = first, last
+        units = sum(qty for at, qty in orders if start <= at < end)
+    seconds = (end - start).total_seconds()
     return {
         "target_seconds": target,
         "seconds": round(seconds, 2),

@@ -124,6 +124,22 @@ def test_a_window_that_held_ends_after_the_window_and_counts_only_its_units():
     assert window["seconds"] == 2.0 and window["units"] == 100
 
 
+def test_a_sale_over_before_its_crowd_was_in_but_for_a_straggler_is_measured_whole():
+    # Given a sale whose crowd takes 0.5 s to be in, which sold 60 units in its first 0.3 s and
+    # one more (an oversold straggler, say) just after the crowd was in
+    config = LoadRunSettings(strategies=["unsafe"], users=10, spawn_rate=1000, window=10)
+    opened = datetime(2026, 1, 1, tzinfo=UTC)
+    orders = [*_orders(opened, 0.3, 200), (opened + timedelta(seconds=0.515), 1)]
+
+    # When its window is measured
+    window = measure_window(orders, config, sold_out=True)
+
+    # Then it is measured from its first order to its last, not over the 5 ms after the crowd
+    # was in, in which no unit sold
+    assert window["starts_after_first_order"] == 0 and window["seconds"] == 0.52
+    assert window["units"] == 60 and window["units_per_second"] == pytest.approx(116.5, abs=0.1)
+
+
 @pytest.mark.django_db
 def test_the_compare_page_leads_with_the_window_and_says_when_it_was_short():
     # Given a batch whose lua sale ran out of stock 3.5 s into its 10 s window
