@@ -13,13 +13,15 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from django.conf import settings
 from django.db import connections
 
+from locking import Lock, LockError
+
 from . import metrics
-from .redis_client import REDIS_DOWN_ERRORS, ping
+from .redis_client import REDIS_DOWN_ERRORS, get_redis_client, ping
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +147,35 @@ class CircuitBreaker:
 #: Redis error: the breaker then stays open). Registered by `InventoryConfig.ready()`:
 #: releasing the locks a failure left in doubt, rebuilding the counters from the database.
 redis_recovery: list[Callable[[], None]] = []
+
+#: Locks this process may hold without knowing it: a SET NX or a release that timed out may
+#: still run on the server (a paused Redis runs it when it wakes), or one the sale writer was
+#: to release for a holder while Redis was down. Released on recovery, so waiters need not sit
+#: out the lock's TTL.
+_unsettled: set[tuple[str, bytes]] = set()
+_unsettled_lock = threading.Lock()
+
+
+def remember_unsettled(locks: Iterable[tuple[str, bytes]]) -> None:
+    """Locks (name, token) a Redis failure left in doubt: released on recovery if ours."""
+    with _unsettled_lock:
+        _unsettled.update(locks)
+
+
+def release_unsettled_locks() -> None:
+    """Release, if still ours, every lock a Redis failure left in doubt (on recovery)."""
+    with _unsettled_lock:
+        pending = list(_unsettled)
+    client = get_redis_client()
+    for name, token in pending:
+        lock = Lock(client, name)
+        lock.local.token = token
+        try:
+            lock.release()
+        except LockError:
+            pass  # never taken, or expired already
+        with _unsettled_lock:
+            _unsettled.discard((name, token))
 
 
 def _probe_redis() -> None:

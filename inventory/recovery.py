@@ -3,10 +3,9 @@ into the Redis breaker by `InventoryConfig.ready()`."""
 
 from __future__ import annotations
 
-from .breaker import redis_recovery
+from .breaker import redis_recovery, release_unsettled_locks
 from .models import Item
 from .strategies import get_strategy
-from .strategies.plumbing import release_unsettled_locks
 
 
 def rebuild_redis_state() -> None:

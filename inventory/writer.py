@@ -97,6 +97,7 @@ from locking.counter import Claim, LockFirst, StockCounter, Take
 
 from . import keys, publishing, stock
 from .breaker import breaker as redis_breaker
+from .breaker import remember_unsettled
 from .exceptions import Busy, SoldOut
 from .metrics import NO_STRATEGY, OUTCOMES, SECONDS
 from .redis_client import REDIS_DOWN_ERRORS, get_redis_client
@@ -1089,8 +1090,6 @@ class SaleWriter:
         by the next sale the database refuses). A lock no longer held by that token is left
         alone. When Redis fails (or is known down), the locks are remembered as in doubt: the
         breaker's recovery releases them once Redis answers, if still theirs (else they expire)."""
-        from .strategies.plumbing import remember_unsettled  # (which imports this module)
-
         if not release:
             return
         locks = [(name, token.encode()) for name, token, _ in release.values()]

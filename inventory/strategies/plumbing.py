@@ -15,7 +15,6 @@ script takes units from them before the database write, a give-back adds them ba
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 import weakref
@@ -28,13 +27,13 @@ from typing import TYPE_CHECKING, Any
 from django.conf import settings
 from django.utils.module_loading import import_string
 
-from locking import Lock, LockError, LockNotOwnedError, QuorumLock, StockCounter
+from locking import Lock, LockNotOwnedError, QuorumLock, StockCounter
 from locking import lock as lock_module
 from locking.cluster import by_slot, is_cluster
 from locking.combining import GroupCommit
 
 from .. import keys, metrics, writer
-from ..breaker import breaker
+from ..breaker import breaker, remember_unsettled
 from ..exceptions import Busy, LockLost
 from ..fences import next_fence
 from ..models import Item, Order
@@ -134,13 +133,6 @@ def fence_of(lock: Lock) -> int | None:
     return getattr(lock, "fence", None)
 
 
-#: Locks this process may hold without knowing it: a SET NX or a release that timed out may
-#: still run on the server (a paused Redis runs it when it wakes). Released on recovery, so
-#: waiters need not sit out the lock's TTL.
-_unsettled: set[tuple[str, bytes]] = set()
-_unsettled_lock = threading.Lock()
-
-
 #: Seconds this checkout spent waiting for locks (reported to load tools as Server-Timing).
 lock_wait_seconds: ContextVar[float] = ContextVar("lock_wait_seconds", default=0.0)
 
@@ -152,8 +144,7 @@ def acquire_lock(lock: Lock, **options: Any) -> bool:
     try:
         acquired = lock.acquire(token=token, **options)
     except REDIS_DOWN_ERRORS:
-        with _unsettled_lock:
-            _unsettled.add((lock.name, token))
+        remember_unsettled([(lock.name, token)])
         raise
     finally:
         now = time.perf_counter()
@@ -165,12 +156,6 @@ def acquire_lock(lock: Lock, **options: Any) -> bool:
     elif options.get("blocking", True):
         metrics.LOCK_TIMEOUTS.labels(strategy).inc()
     return acquired
-
-
-def remember_unsettled(locks: Iterable[tuple[str, bytes]]) -> None:
-    """Locks (name, token) a Redis failure left in doubt: released on recovery if ours."""
-    with _unsettled_lock:
-        _unsettled.update(locks)
 
 
 def release_quietly(lock: Lock, *, after: tuple[str, list[Any], list[Any]] | None = None) -> None:
@@ -188,8 +173,7 @@ def release_quietly(lock: Lock, *, after: tuple[str, list[Any], list[Any]] | Non
     except REDIS_DOWN_ERRORS as exc:
         breaker.record_failure(exc)
         if token is not None:
-            with _unsettled_lock:
-                _unsettled.add((lock.name, token))
+            remember_unsettled([(lock.name, token)])
         logger.warning("could not release %s: Redis is down; released on recovery", lock.name)
 
 
@@ -205,22 +189,6 @@ def _record_hold(lock: Lock) -> None:
     if held_since is not None:
         hold = time.perf_counter() - held_since
         metrics.LOCK_HOLD.labels(_lock_strategy.get(lock, "none")).observe(hold)
-
-
-def release_unsettled_locks() -> None:
-    """Release, if still ours, every lock a Redis failure left in doubt (on recovery)."""
-    with _unsettled_lock:
-        pending = list(_unsettled)
-    client = get_redis_client()
-    for name, token in pending:
-        lock = Lock(client, name)
-        lock.local.token = token
-        try:
-            lock.release()
-        except LockError:
-            pass  # never taken, or expired already
-        with _unsettled_lock:
-            _unsettled.discard((name, token))
 
 
 # -- stock-row counters ---------------------------------------------------------------------

@@ -40,7 +40,7 @@ from django.conf import settings
 from locking import Lock
 
 from .. import keys, writer
-from ..breaker import breaker
+from ..breaker import breaker, remember_unsettled
 from ..exceptions import Busy, SoldOut
 from ..models import Item, Order
 from ..redis_client import REDIS_DOWN_ERRORS
@@ -60,7 +60,6 @@ from .plumbing import (
     fence_of,
     new_lock,
     release_with_hints,
-    remember_unsettled,
 )
 
 logger = logging.getLogger(__name__)
