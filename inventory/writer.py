@@ -43,8 +43,8 @@ request was sent answers `503 busy`: the sale may have been committed (a retry w
 idempotency key finds it), so no fallback may sell it again. When Redis fails in the take,
 nothing was written and nothing will be: the buyer gets Redis's error, and the fallback serves
 it, as for a direct checkout. The failure opens the writer's breaker in front of Redis (the
-process's, `inventory.breaker`): until its probe, run in one of the writer's threads, finds Redis
-back and rebuilt, the writer calls no script and answers every take and lock at once as Redis's
+process's, `inventory.breaker`): until its probe, run in a thread of its own, finds Redis back
+and rebuilt, the writer calls no script and answers every take and lock at once as Redis's
 error, so that a Redis that hangs stalls the one thread for one timeout, not one per batch.
 
 The protocol is one JSON object per line each way; one request at a time per connection.
@@ -80,7 +80,7 @@ import stat
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -1114,6 +1114,11 @@ class SaleWriter:
         needs: `inventory.breaker`) runs in a thread of its own, which closes it."""
         return not redis_breaker.allow()
 
+    def _skip_redis(self, conns: Sequence[_Connection | _Buyer]) -> None:
+        """Answer requests Redis is known down for, with no call (`BREAKER_OPEN`)."""
+        self.skipped_redis += len(conns)
+        self._answer_redis_down(conns, BREAKER_OPEN)
+
     def _answer_redis_down(self, conns: Iterable[_Connection | _Buyer], why: str) -> None:
         """Redis's error, for requests of which nothing was taken or locked: their buyers'
         fallback serves them (a handed-off checkout's, in a thread: `_respond`)."""
@@ -1165,8 +1170,7 @@ class SaleWriter:
         if not takes:
             return
         if self._redis_down():
-            self.skipped_redis += len(takes)
-            self._answer_redis_down([conn for conn, _, _ in takes], BREAKER_OPEN)
+            self._skip_redis([conn for conn, _, _ in takes])
             return
         started = time.perf_counter()
         cpu0 = time.thread_time()
@@ -1220,8 +1224,7 @@ class SaleWriter:
         if not candidates:
             return
         if self._redis_down():
-            self.skipped_redis += len(candidates)
-            self._answer_redis_down(candidates, BREAKER_OPEN)
+            self._skip_redis(candidates)
             return
         counted = {buyer for buyer, _ in waiting}  # their waits are counted already
         started = time.perf_counter()

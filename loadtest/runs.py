@@ -1068,12 +1068,16 @@ def measure_window(
         return {"target_seconds": target, "seconds": 0.0, "units": 0,
                 "units_per_second": None, "held": False}  # fmt: skip
     first, last = orders[0][0], orders[-1][0]
+
+    def units_between(start: datetime, end: datetime) -> int:
+        return sum(qty for at, qty in orders if start <= at < end)
+
     start = first + timedelta(seconds=config.ramp_seconds)
     end = min(start + timedelta(seconds=target), last)
-    units = sum(qty for at, qty in orders if start <= at < end)
+    units = units_between(start, end)
     if end <= start or not units:  # sold out (or cut off) before the crowd was in
         start, end = first, last
-        units = sum(qty for at, qty in orders if start <= at < end)
+        units = units_between(start, end)
     seconds = (end - start).total_seconds()
     return {
         "target_seconds": target,
