@@ -34,6 +34,11 @@ in flight, or for the linger when there is none (a web process serving a crowd r
 back with its group: taken alone, each request would cost a script and a statement). When a
 lock holder's sale is among the requests, the linger is FLASHSALE_SALE_WRITER_HOLDER_LINGER_US:
 its shard stays locked while it waits.
+Right after answering a batch, the writer takes ahead, in one script, as many units of each sale
+as the batch sold (FLASHSALE_SALE_WRITER_AHEAD_MS: how long they wait; 0: never): the buyers'
+next requests are served from them with no script on the path they wait on. Held units go back
+when unused, when the writer stops, and before any buyer is told sold out; when Redis fails
+they are dropped, and the counters' rebuild from the database puts them back.
 One thread, because a second one only moved the batch between threads: with a taker and a
 committer the writer spent half as much CPU again per sale, in their hand-over and their turns
 at the interpreter lock, and sold no faster (docs/design.md).
@@ -660,6 +665,42 @@ class _Sale:
     request: dict[str, Any]  # what sell_batch takes, with its rows
     #: A lock holder's locks to release once the sale is committed (`write_request`).
     release: dict[str, list[str]] | None = None
+    #: The take its units came from, when one like it may be taken ahead (no claim).
+    take: Take | None = None
+
+
+def _ahead_key(take: Take) -> tuple[str, tuple[str, ...]]:
+    return take.cursor, tuple(take.counters)
+
+
+@dataclass(eq=False)
+class _Ahead:
+    """Units taken ahead for one sale's next requests (`SaleWriter._take_ahead`)."""
+
+    counters: tuple[str, ...]
+    #: Units held, by the index of the counter (and stock row) they came from.
+    rows: dict[int, int] = field(default_factory=dict)
+    units: int = 0
+    #: When units were last taken into it or from it (monotonic).
+    since: float = 0.0
+
+    def serve(self, qty: int) -> dict[str, int]:
+        """`qty` of its units, as a sale's rows {index: units}, lowest index first."""
+        rows: dict[str, int] = {}
+        needed = qty
+        for index in sorted(self.rows):
+            units = min(self.rows[index], needed)
+            rows[str(index)] = units
+            needed -= units
+            if units == self.rows[index]:
+                del self.rows[index]
+            else:
+                self.rows[index] -= units
+            if not needed:
+                break
+        self.units -= qty
+        self.since = time.monotonic()
+        return rows
 
 
 #: Sells a checkout the direct way and renders the API's answer (`inventory.api.answer_checkout`,
@@ -736,6 +777,20 @@ class SaleWriter:
         self._directly = ThreadPoolExecutor(DIRECT_THREADS, thread_name_prefix="sale-writer-direct")
         #: Takes and locks answered as Redis's error without a call while the breaker was open.
         self.skipped_redis = 0
+        #: How long units taken ahead wait for a request (FLASHSALE_SALE_WRITER_AHEAD_MS; 0:
+        #: none are); those held, by sale (its take's cursor and counters).
+        self.ahead = settings.FLASHSALE_SALE_WRITER_AHEAD_MS / 1000
+        self._ahead: dict[tuple[str, tuple[str, ...]], _Ahead] = {}
+        #: Units taken ahead, requests served from them, units given back unused, and units
+        #: dropped when Redis failed (the counters' rebuild puts those back); the scripts'
+        #: wall and CPU seconds.
+        self.taken_ahead = self.sold_ahead = self.returned_ahead = self.dropped_ahead = 0
+        self.ahead_seconds = self.ahead_cpu = 0.0
+
+    @property
+    def held_ahead(self) -> int:
+        """Units taken ahead and held now: out of Redis, in no order yet."""
+        return sum(held.units for held in self._ahead.values())
 
     @property
     def backend_pid(self) -> int | None:
@@ -763,6 +818,7 @@ class SaleWriter:
                 self._turn(listener)
             self._drain()
         finally:
+            self._return_ahead(list(self._ahead))
             self._directly.shutdown(wait=True)
             self._stop_publishing()
             # Buyers still connected find the connection closed: they sell the direct way
@@ -800,6 +856,11 @@ class SaleWriter:
         elif self._lock_waiting and time.monotonic() >= self._lock_retry_at:
             self._lock_shards([])
         self._send_what_fits()
+        if self._ahead:
+            now = time.monotonic()
+            self._return_ahead(
+                [key for key, held in self._ahead.items() if now >= held.since + self.ahead]
+            )
 
     def _drain(self) -> None:
         """On stop: answer the batch in flight, and take and write what has been read (a
@@ -824,6 +885,9 @@ class SaleWriter:
         timeout = self._pending_timeout()
         if self._lock_waiting:
             timeout = min(timeout, max(0.0, self._lock_retry_at - time.monotonic()))
+        if self._ahead:
+            due = min(held.since for held in self._ahead.values()) + self.ahead
+            timeout = min(timeout, max(0.0, due - time.monotonic()))
         return timeout
 
     def _pending_timeout(self) -> float:
@@ -1002,6 +1066,13 @@ class SaleWriter:
             "locked": self.locked,
             "lock_waits": self.lock_waits,
             "skipped_redis": self.skipped_redis,
+            "taken_ahead": self.taken_ahead,
+            "held_ahead": self.held_ahead,
+            "sold_ahead": self.sold_ahead,
+            "returned_ahead": self.returned_ahead,
+            "dropped_ahead": self.dropped_ahead,
+            "ahead_seconds": self.ahead_seconds,
+            "ahead_cpu_seconds": self.ahead_cpu,
             "checkouts": self.checkouts.stats(),
         }
 
@@ -1170,27 +1241,31 @@ class SaleWriter:
         if not takes:
             return
         if self._redis_down():
+            self._drop_ahead()
             self._skip_redis([conn for conn, _, _ in takes])
             return
-        started = time.perf_counter()
-        cpu0 = time.thread_time()
-        try:
-            results = self._counter.take_spread_many([take for _, _, take in takes])
-        except REDIS_DOWN_ERRORS as exc:
-            # Nothing of these requests is written, and none will be: the buyers' fallback
-            # may serve them. Units the script took before the failure come back when the
-            # counters are rebuilt from the database, as after any outage.
-            redis_breaker.record_failure(exc)
-            self._answer_redis_down([conn for conn, _, _ in takes], exc.__class__.__name__)
+        takes = self._serve_ahead(takes)
+        results = self._take_units(takes)
+        if results is None:
             return
-        except (ResponseError, ValueError) as exc:
-            for conn, _, _ in takes:
-                self._answer(conn, {"o": "error", "e": str(exc)})
-            return
-        finally:
-            self.take_seconds += time.perf_counter() - started
-            self.take_cpu += time.thread_time() - cpu0
-        for (conn, request, _), result in zip(takes, results, strict=True):
+        # Sold out while units of the sale are held ahead (too few for the request): they go
+        # back, and the request is taken again, so that no buyer hears `sold_out` while the
+        # writer holds units of the sale.
+        short = [
+            place
+            for place, (_, _, take) in enumerate(takes)
+            if results[place] == {} and _ahead_key(take) in self._ahead
+        ]
+        if short:
+            self._return_ahead({_ahead_key(takes[place][2]) for place in short})
+            again = self._take_units([takes[place] for place in short])
+            if again is None:  # answered: Redis failed
+                takes = [take for place, take in enumerate(takes) if place not in short]
+                results = [result for place, result in enumerate(results) if place not in short]
+            else:
+                for place, result in zip(short, again, strict=True):
+                    results[place] = result
+        for (conn, request, take), result in zip(takes, results, strict=True):
             if isinstance(result, Claim):
                 self._answer(conn, {"o": "claimed"})
             elif result is None:
@@ -1199,7 +1274,143 @@ class SaleWriter:
                 self._answer(conn, {"o": "sold_out"})
             else:
                 rows = {str(index): units for index, units in result.items()}
-                self._taken.append(_Sale(conn, {**request["sale"], "rows": rows}))
+                self._taken.append(
+                    _Sale(conn, {**request["sale"], "rows": rows}, take=_aheadable(take))
+                )
+
+    def _take_units(
+        self, takes: list[tuple[_Connection | _Buyer, dict[str, Any], Take]]
+    ) -> list[dict[int, int] | None | Claim] | None:
+        """The takes' units from Redis, in one script; None when it failed (its requests
+        answered)."""
+        if not takes:
+            return []
+        started = time.perf_counter()
+        cpu0 = time.thread_time()
+        try:
+            return self._counter.take_spread_many([take for _, _, take in takes])
+        except REDIS_DOWN_ERRORS as exc:
+            # Nothing of these requests is written, and none will be: the buyers' fallback
+            # may serve them. Units the script took before the failure come back when the
+            # counters are rebuilt from the database, as after any outage.
+            redis_breaker.record_failure(exc)
+            self._drop_ahead()
+            self._answer_redis_down([conn for conn, _, _ in takes], exc.__class__.__name__)
+        except (ResponseError, ValueError) as exc:
+            for conn, _, _ in takes:
+                self._answer(conn, {"o": "error", "e": str(exc)})
+        finally:
+            self.take_seconds += time.perf_counter() - started
+            self.take_cpu += time.thread_time() - cpu0
+        return None
+
+    # -- units taken ahead ---------------------------------------------------------------------
+
+    def _serve_ahead(
+        self, takes: list[tuple[_Connection | _Buyer, dict[str, Any], Take]]
+    ) -> list[tuple[_Connection | _Buyer, dict[str, Any], Take]]:
+        """Serve the takes that units held ahead for their sale cover (no claim to set);
+        the others, to take from Redis."""
+        if not self._ahead:
+            return takes
+        rest = []
+        for conn, request, take in takes:
+            held = self._ahead.get(_ahead_key(take)) if take.claim is None else None
+            if held is None or held.units < take.qty:
+                rest.append((conn, request, take))
+                continue
+            rows = held.serve(take.qty)
+            if not held.units:
+                del self._ahead[_ahead_key(take)]
+            self.sold_ahead += 1
+            self._taken.append(_Sale(conn, {**request["sale"], "rows": rows}, take=take))
+        return rest
+
+    def _take_ahead(self, sales: list[_Sale], answers: list[dict[str, Any]]) -> None:
+        """Right after a batch's buyers are answered: take, for each sale, as many units as
+        the batch sold of it and the requests waiting to be taken ask (less those still held),
+        for the requests its buyers are about to send, in one script, while they make them.
+        Nothing is taken ahead once the writer is stopping."""
+        if not self.ahead or self._stopping.is_set():
+            return
+        wanted: dict[tuple[str, tuple[str, ...]], list[Any]] = {}
+        for sale, answer in zip(sales, answers, strict=True):
+            if sale.take is not None and answer["o"] == "sold":
+                entry = wanted.setdefault(_ahead_key(sale.take), [sale.take, 0])
+                entry[1] += sale.take.qty
+        # Requests read and not taken yet (the other group's, back during the statement) will
+        # be served from what is held first: taken for as well.
+        for _, request in self._pending:
+            cursor, qty = request.get("cursor"), request.get("qty")
+            if request.get("claim") is not None or type(qty) is not int or qty < 1:
+                continue
+            for key, entry in wanted.items():
+                if key[0] == cursor:
+                    entry[1] += qty
+        takes = []
+        for key, (take, units) in wanted.items():
+            held = self._ahead.get(key)
+            units -= held.units if held else 0
+            if units > 0:
+                takes.append(Take(take.cursor, take.counters, units))
+        if not takes or self._redis_down():
+            return
+        started = time.perf_counter()
+        cpu0 = time.thread_time()
+        try:
+            results = self._counter.take_spread_many(takes)
+        except REDIS_DOWN_ERRORS as exc:
+            redis_breaker.record_failure(exc)
+            self._drop_ahead()
+            return
+        except (ResponseError, ValueError) as exc:
+            logger.warning("sale writer: could not take units ahead (%s)", exc)
+            return
+        finally:
+            self.ahead_seconds += time.perf_counter() - started
+            self.ahead_cpu += time.thread_time() - cpu0
+        now = time.monotonic()
+        for take, result in zip(takes, results, strict=True):
+            if not isinstance(result, dict) or not result:
+                continue  # too few left (or the sale gone): its requests take from Redis
+            key = _ahead_key(take)
+            held = self._ahead.get(key) or self._ahead.setdefault(key, _Ahead(key[1]))
+            for index, units in result.items():
+                held.rows[index] = held.rows.get(index, 0) + units
+                held.units += units
+                self.taken_ahead += units
+            held.since = now
+
+    def _return_ahead(self, keys_: Iterable[tuple[str, tuple[str, ...]]]) -> None:
+        """Give the units held ahead for these sales back to their counters."""
+        amounts: dict[str, int] = {}
+        for key in keys_:
+            held = self._ahead.pop(key, None)
+            if held is None:
+                continue
+            for index, units in held.rows.items():
+                amounts[held.counters[index]] = amounts.get(held.counters[index], 0) + units
+        if not amounts:
+            return
+        if self._redis_down():
+            self.dropped_ahead += sum(amounts.values())
+            return
+        try:
+            self._counter.give_back_many(amounts)
+        except REDIS_DOWN_ERRORS as exc:
+            # Low until the counters are rebuilt from the database, as after any outage.
+            redis_breaker.record_failure(exc)
+            self.dropped_ahead += sum(amounts.values())
+            logger.warning("sale writer: could not give units held ahead back (%s)", exc)
+            return
+        self.returned_ahead += sum(amounts.values())
+
+    def _drop_ahead(self) -> None:
+        """Forget the units held ahead, Redis having failed: its counters are rebuilt from the
+        database once it is back, which holds them still."""
+        for held in self._ahead.values():
+            self.dropped_ahead += held.units
+        self._ahead.clear()
 
     def _lock_shards(self, arrived: list[tuple[_Buyer, LockFirst]]) -> None:
         """Lock a shard for each handed-off `segmented` checkout (`lock_request`), those waiting
@@ -1327,6 +1538,7 @@ class SaleWriter:
         released = self._release(sales, answers)
         self._answer_batch(sales, answers, released)
         self.commit_cpu += time.thread_time() - cpu0
+        self._take_ahead(sales, answers)
 
     def _release(self, sales: list[_Sale], answers: list[dict[str, Any]]) -> dict[int, list[str]]:
         """Release the locks of the holders whose sales were committed, as they asked, each with
@@ -1493,6 +1705,11 @@ def _write_of(request: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[s
         if index not in rows:
             raise ValueError(f"release of row {index!r}, which the sale does not write")
     return {**sale, "levels": True}, release or None
+
+
+def _aheadable(take: Take) -> Take | None:
+    """The take, when one like it may be taken ahead: it sets no claim."""
+    return take if take.claim is None else None
 
 
 def _take_of(request: dict[str, Any]) -> Take:

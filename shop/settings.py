@@ -246,6 +246,16 @@ for _wait in ("FLASHSALE_SALE_WRITER_LINGER_US", "FLASHSALE_SALE_WRITER_HOLDER_L
         raise ImproperlyConfigured(
             f"{_wait} must be from 0 to 100000 (0.1 s), not {globals()[_wait]}"
         )
+# How long (milliseconds) units the sale writer took ahead for a sale's next `lua` requests may
+# wait for them before they go back to Redis; 0: it takes nothing ahead. Right after it answers
+# a batch, the writer takes as many units as that batch sold for the requests its buyers are
+# about to send, so that their take costs no round trip to Redis on the path they wait on.
+FLASHSALE_SALE_WRITER_AHEAD_MS = env.int("FLASHSALE_SALE_WRITER_AHEAD_MS", default=50)
+if not 0 <= FLASHSALE_SALE_WRITER_AHEAD_MS <= 1000:
+    raise ImproperlyConfigured(
+        "FLASHSALE_SALE_WRITER_AHEAD_MS must be from 0 to 1000 (1 s), not "
+        f"{FLASHSALE_SALE_WRITER_AHEAD_MS}"
+    )
 # How many statements the sale writer may keep in flight at once, each on a database connection
 # of its own: while one batch is written and committed, the next is sent on another instead of
 # waiting for it. One here, where PostgreSQL is on the same host and a second sold no faster;

@@ -181,6 +181,11 @@ _COUNTED = (
     "commit_cpu_seconds",
     "handed",
     "released",
+    "taken_ahead",
+    "sold_ahead",
+    "returned_ahead",
+    "ahead_seconds",
+    "ahead_cpu_seconds",
 )
 
 
@@ -207,6 +212,13 @@ def _writer_summary(stats: dict[str, Any], cpu: float, seconds: float) -> str:
         f"statements in flight at once, at most: {stats['most_in_flight']} "
         f"of {len(_pids(stats))} connections"
     )
+    if stats.get("taken_ahead"):
+        summary += (
+            f"; taken ahead: {stats['taken_ahead']} units "
+            f"({per_batch(stats['ahead_seconds'])} ms a batch, "
+            f"{per_batch(stats['ahead_cpu_seconds'])} CPU), {stats['sold_ahead']} sales served "
+            f"from them, {stats['returned_ahead']} given back"
+        )
     if stats.get("released"):
         summary += f"; holders' locks released with their commits: {stats['released']}"
     scheduled = stats.get("scheduled")

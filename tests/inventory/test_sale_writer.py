@@ -442,13 +442,17 @@ def test_sale_writer_command_says_what_is_wrong(writer_in_thread, settings):
 
 
 @contextmanager
-def _lua_sale_on_a_redis_of_its_own(settings, probe_seconds: float) -> Iterator[tuple[Any, Any]]:
+def _lua_sale_on_a_redis_of_its_own(
+    settings, probe_seconds: float, ahead_ms: int = 0
+) -> Iterator[tuple[Any, Any]]:
     """A `lua` sale of 10 units selling through a writer in a thread, on a Redis server of the
     test's own (short timeouts), one unit sold through the writer: (the server, the writer).
-    The test sells three more; then the audit: 4 sold, none oversold, Redis agreeing."""
+    The test sells three more; then the audit: 4 sold, none oversold, Redis agreeing. The
+    writer takes nothing ahead unless told (`ahead_ms`): each checkout's take goes to Redis."""
     from inventory.breaker import breaker
     from shop.processes.redis_server import RedisServer
 
+    settings.FLASHSALE_SALE_WRITER_AHEAD_MS = ahead_ms
     settings.FLASHSALE_REDIS_TIMEOUT = 0.2
     settings.FLASHSALE_REDIS_CONNECT_TIMEOUT = 0.2
     settings.FLASHSALE_BREAKER_PROBE_SECONDS = probe_seconds
@@ -494,6 +498,36 @@ def test_redis_down_under_the_writer_sends_checkouts_to_the_fallback(settings):
         # and once Redis is back (empty), rebuilt from the database, through the writer again
         redis_server.restart()
         _sold_through_the_writer_once_the_probe_is_back(writer, after=0.3)
+
+
+def test_units_held_ahead_when_redis_dies_are_dropped_and_the_rebuild_brings_them_back(settings):
+    from inventory.breaker import breaker
+
+    # Given a writer holding a unit of the sale ahead (its one sale so far) when Redis dies
+    with _lua_sale_on_a_redis_of_its_own(settings, probe_seconds=0.2, ahead_ms=1000) as (
+        redis_server,
+        writer,
+    ):
+        assert wait_until(lambda: writer.held_ahead == 1, timeout=5)
+        redis_server.kill()
+
+        # When a checkout that must take from Redis comes (an idempotency key: its claim is set
+        # with its take), the take fails: the held unit is dropped, not given back to a dead
+        # Redis, and the checkout is served by the fallback
+        bob = place_order(sku="widget", qty=1, buyer="bob", idempotency_key="k-bob").order
+        assert bob.fallback and writer.sales == 1
+        assert writer.held_ahead == 0 and writer.dropped_ahead == 1 and breaker.is_open
+
+        # and once Redis is back (empty), its counters are rebuilt from the database, which
+        # holds the dropped unit still, and the writer sells again
+        redis_server.restart()
+        time.sleep(0.3)
+        cat = place_order(sku="widget", qty=1, buyer="cat").order
+        assert cat.fallback
+        assert wait_until(lambda: not breaker.is_open, timeout=5)
+        dan = place_order(sku="widget", qty=1, buyer="dan").order
+        assert not dan.fallback and writer.sales == 2
+    # (the fixture's audit: 4 sold, the database and Redis agreeing on the 6 left)
 
 
 def test_the_writer_runs_at_the_niceness_it_is_given():

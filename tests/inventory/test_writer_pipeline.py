@@ -63,8 +63,10 @@ class Checkout(threading.Thread):
 
 @pytest.fixture
 def widget_writer(settings) -> Iterator[tuple[Any, Item]]:
-    """A writer in a thread, checkouts sent to it, and a lua sale of 10 widgets."""
+    """A writer in a thread, checkouts sent to it, and a lua sale of 10 widgets. It takes
+    nothing ahead: each checkout's take is seen in Redis when it happens (`in_flight`)."""
     settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS = 20_000
+    settings.FLASHSALE_SALE_WRITER_AHEAD_MS = 0
     start_sale(sku="widget", stock=10, strategy="lua")
     with serving() as writer:
         settings.FLASHSALE_SALE_WRITER = writer.path
