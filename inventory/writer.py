@@ -1167,7 +1167,7 @@ class SaleWriter:
         if self._redis_down():
             remember_unsettled(locks)
             return
-        for name, token in locks:
+        for place, (name, token) in enumerate(locks):
             lock = Lock(self._counter.redis, name)
             lock.local.token = token
             try:
@@ -1175,9 +1175,15 @@ class SaleWriter:
             except LockError:
                 pass  # expired, or released already
             except REDIS_DOWN_ERRORS as exc:
+                # The rest would each wait out the same timeout: all are left to the recovery.
                 redis_breaker.record_failure(exc)
-                remember_unsettled([(name, token)])
-                logger.warning("sale writer: could not release %s (%s)", name, exc)
+                remember_unsettled(locks[place:])
+                logger.warning(
+                    "sale writer: could not release %s (%s)",
+                    ", ".join(n for n, _ in locks[place:]),
+                    exc,
+                )
+                return
 
     def _redis_down(self) -> bool:
         """Whether Redis is known down: this process's breaker is open. Then the loop calls no

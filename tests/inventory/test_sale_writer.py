@@ -821,6 +821,51 @@ def test_a_handed_off_holders_locks_the_writer_could_not_release_go_on_recovery(
     assert not client.exists(name)
 
 
+def test_after_redis_fails_on_a_holder_s_first_lock_the_rest_go_to_the_recovery_untried(
+    writer_in_thread,
+):
+    from inventory.breaker import breaker
+    from locking import Lock
+
+    # Given a handed-off holder of two shard locks
+    start_sale(sku="widget", stock=50, strategy="segmented")
+    item = Item.objects.get(sku="widget")
+    client = get_redis_client()
+    names = keys.shard_locks(item)[:2]
+    release = {}
+    for index, name in enumerate(names):
+        holder = Lock(client, name, timeout=60)
+        assert holder.acquire(blocking=False)
+        release[str(index)] = [name, holder.local.token.decode(), keys.row(item, index)]
+    calls: list[Any] = []
+
+    class Counting(redis.Redis):
+        def execute_command(self, *args: Any, **options: Any) -> Any:
+            calls.append(args[0])
+            return super().execute_command(*args, **options)
+
+    # When the writer's Redis fails on the first release (nothing listens there)
+    real = writer_in_thread._counter.redis
+    writer_in_thread._counter.redis = Counting(
+        port=_unused_port(),
+        socket_connect_timeout=0.2,
+        socket_timeout=0.2,
+        retry=Retry(NoBackoff(), 0),
+    )
+    try:
+        writer_in_thread._release_holder(release)
+    finally:
+        writer_in_thread._counter.redis = real
+
+    # Then the second lock is not tried (it would wait out the same timeout): both are still
+    # the holder's, and the breaker is open
+    assert len(calls) == 1 and breaker.is_open
+    assert [client.get(name) for name in names] == [held[1].encode() for held in release.values()]
+    # and once the breaker's probe finds Redis answering, its recovery releases both
+    assert breaker.probe_now()
+    assert not any(client.exists(name) for name in names)
+
+
 def _unused_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
