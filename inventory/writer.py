@@ -1334,19 +1334,30 @@ class SaleWriter:
 
     def _take_ahead(self, sales: list[_Sale], answers: list[dict[str, Any]]) -> None:
         """Right after a batch's buyers are answered: take, for each sale, as many units as
-        the batch sold of it and the requests waiting to be taken ask (less those still held),
-        for the requests its buyers are about to send, in one script, while they make them.
+        the batch sold of it to buyers on their connections and the requests of such buyers
+        waiting to be taken ask (less those still held), for the requests its buyers are about
+        to send, in one script, while they make them.
         Nothing is taken ahead once the writer is stopping."""
         if not self.ahead or self._stopping.is_set():
             return
         wanted: dict[tuple[str, tuple[str, ...]], list[Any]] = {}
         for sale, answer in zip(sales, answers, strict=True):
-            if sale.take is not None and answer["o"] == "sold":
+            # Only for a buyer that sends its next request on its connection: a handed-off
+            # checkout's client is answered directly, and the next checkout comes from a web
+            # process in a time of its own, like a lone request (over HTTP the script taken
+            # ahead for them cost the writer's thread more than the take it saved).
+            if (
+                sale.take is not None
+                and answer["o"] == "sold"
+                and isinstance(sale.conn, _Connection)
+            ):
                 entry = wanted.setdefault(_ahead_key(sale.take), [sale.take, 0])
                 entry[1] += sale.take.qty
         # Requests read and not taken yet (the other group's, back during the statement) will
         # be served from what is held first: taken for as well.
-        for _, request in self._pending:
+        for conn, request in self._pending:
+            if not isinstance(conn, _Connection):
+                continue
             cursor, qty = request.get("cursor"), request.get("qty")
             if request.get("claim") is not None or type(qty) is not int or qty < 1:
                 continue
