@@ -789,8 +789,9 @@ class SaleWriter:
 
     @property
     def held_ahead(self) -> int:
-        """Units taken ahead and held now: out of Redis, in no order yet."""
-        return sum(held.units for held in self._ahead.values())
+        """Units taken ahead and held now: out of Redis, in no order yet. (Read from other
+        threads too: the values are copied at once, under the interpreter lock.)"""
+        return sum(held.units for held in list(self._ahead.values()))
 
     @property
     def backend_pid(self) -> int | None:
@@ -1391,7 +1392,7 @@ class SaleWriter:
             if not isinstance(result, dict) or not result:
                 continue  # too few left (or the sale gone): its requests take from Redis
             key = _ahead_key(take)
-            held = self._ahead.get(key) or self._ahead.setdefault(key, _Ahead(key[1]))
+            held = self._ahead.setdefault(key, _Ahead(key[1]))
             for index, units in result.items():
                 held.rows[index] = held.rows.get(index, 0) + units
                 held.units += units
