@@ -1345,8 +1345,8 @@ class SaleWriter:
         for sale, answer in zip(sales, answers, strict=True):
             # Only for a buyer that sends its next request on its connection: a handed-off
             # checkout's client is answered directly, and the next checkout comes from a web
-            # process in a time of its own, like a lone request (over HTTP the script taken
-            # ahead for them cost the writer's thread more than the take it saved).
+            # process in a time of its own, like a lone request (over HTTP, the host busy all
+            # the time, the script ahead for them bought nothing: docs/design.md).
             if (
                 sale.take is not None
                 and answer["o"] == "sold"
