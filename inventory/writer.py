@@ -680,9 +680,12 @@ class _Ahead:
     counters: tuple[str, ...]
     #: Units held, by the index of the counter (and stock row) they came from.
     rows: dict[int, int] = field(default_factory=dict)
-    units: int = 0
     #: When units were last taken into it or from it (monotonic).
     since: float = 0.0
+
+    @property
+    def units(self) -> int:
+        return sum(self.rows.values())
 
     def serve(self, qty: int) -> dict[str, int]:
         """`qty` of its units, as a sale's rows {index: units}, lowest index first."""
@@ -698,7 +701,6 @@ class _Ahead:
                 self.rows[index] -= units
             if not needed:
                 break
-        self.units -= qty
         self.since = time.monotonic()
         return rows
 
@@ -1395,7 +1397,6 @@ class SaleWriter:
             held = self._ahead.setdefault(key, _Ahead(key[1]))
             for index, units in result.items():
                 held.rows[index] = held.rows.get(index, 0) + units
-                held.units += units
                 self.taken_ahead += units
             held.since = now
 
