@@ -22,23 +22,27 @@ refused) is answered `again` and writes its sale itself, still under its locks: 
 tells it which.
 
 The statement is sent without waiting for it (`stock.BatchInFlight`): while PostgreSQL writes
-and commits one batch, the writer reads and takes the next, and sends it as soon as the first is
-answered, so that the take is off the path a sale waits on; with FLASHSALE_SALE_WRITER_CONNECTIONS
-above 1, at once on a connection with no statement in flight (where each statement's round trip
-is long: a database across a network). With no statement in flight it takes
-what has arrived at once; with one in flight, once every buyer its last answer reached has sent
-again (they come back a few hundred microseconds apart, each with its own work to do first), or
-FLASHSALE_SALE_WRITER_LINGER_US after the first of them did: buyers answered together stay
-together, in batches as large as they allow. A lone request waits for company: for the statement
-in flight, or for the linger when there is none (a web process serving a crowd rarely comes
-back with its group: taken alone, each request would cost a script and a statement). When a
-lock holder's sale is among the requests, the linger is FLASHSALE_SALE_WRITER_HOLDER_LINGER_US:
-its shard stays locked while it waits.
-Right after answering a batch, the writer takes ahead, in one script, as many units of each sale
-as the batch sold (FLASHSALE_SALE_WRITER_AHEAD_MS: how long they wait; 0: never): the buyers'
-next requests are served from them with no script on the path they wait on. Held units go back
-when unused, when the writer stops, and before any buyer is told sold out; when Redis fails
-they are dropped, and the counters' rebuild from the database puts them back.
+and commits one batch, the writer reads and takes the next, and sends it as soon as the first
+is answered, so that the take is off the path a sale waits on; with
+FLASHSALE_SALE_WRITER_CONNECTIONS above 1, at once on a connection with no statement in flight
+(where each statement's round trip is long: a database across a network). With no statement in
+flight it takes what has arrived at once; with one in flight, once every buyer its last answer
+reached has sent again (they come back a few hundred microseconds apart, each with its own work
+to do first), or FLASHSALE_SALE_WRITER_LINGER_US after the first of them did: buyers answered
+together stay together, in batches as large as they allow. Once a statement is over, the next
+batch waits for the buyers it answered on their connections too, as long as that statement took
+at most: back by then (a buyer process is, in a fraction of a millisecond), they go in it, so
+that such buyers make one group, written by one statement, rather than two groups taking turns
+at the connection, each paying a statement for half of them. A lone request waits for company:
+for the statement in flight, or for the linger when there is none (a web process serving a
+crowd rarely comes back with its group: taken alone, each request would cost a script and a
+statement). When a lock holder's sale is among the requests, the linger is
+FLASHSALE_SALE_WRITER_HOLDER_LINGER_US: its shard stays locked while it waits.
+Right after answering a batch, the writer takes ahead, in one script, as many units of each
+sale as the batch sold (FLASHSALE_SALE_WRITER_AHEAD_MS: how long they wait; 0: never): the
+buyers' next requests are served from them with no script on the path they wait on. Held units
+go back when unused, when the writer stops, and before any buyer is told sold out; when Redis
+fails they are dropped, and the counters' rebuild from the database puts them back.
 One thread, because a second one only moved the batch between threads: with a taker and a
 committer the writer spent half as much CPU again per sale, in their hand-over and their turns
 at the interpreter lock, and sold no faster (docs/design.md).
@@ -788,6 +792,15 @@ class SaleWriter:
         #: wall and CPU seconds.
         self.taken_ahead = self.sold_ahead = self.returned_ahead = self.dropped_ahead = 0
         self.ahead_seconds = self.ahead_cpu = 0.0
+        #: The buyers the last batch answered on their connections, whom the next batch waits
+        #: for until `_hold_until` (`_holding`); None: it waits for no one. Whether it has held
+        #: a request yet; the holds that held one, and how long they lasted in all.
+        self._held_for: _Group | None = None
+        self._hold_until = 0.0
+        self._held_since = 0.0
+        self._held_any = False
+        self.held = 0
+        self.held_seconds = 0.0
 
     @property
     def held_ahead(self) -> int:
@@ -891,6 +904,8 @@ class SaleWriter:
         if self._ahead:
             due = min(held.since for held in self._ahead.values()) + self.ahead
             timeout = min(timeout, max(0.0, due - time.monotonic()))
+        if self._held_for is not None:
+            timeout = min(timeout, max(0.0, self._hold_until - time.monotonic()))
         return timeout
 
     def _pending_timeout(self) -> float:
@@ -927,6 +942,10 @@ class SaleWriter:
         requests to serve in between, rarely comes back with its group)."""
         if len(self._pending) >= self.batch:
             return True
+        if self._holding():
+            return False
+        if self._taken and len(self._writing) < len(self._databases):
+            return True  # a batch goes now: whatever has arrived goes with it
         linger = self._linger()
         if not linger:
             return True
@@ -1076,6 +1095,8 @@ class SaleWriter:
             "dropped_ahead": self.dropped_ahead,
             "ahead_seconds": self.ahead_seconds,
             "ahead_cpu_seconds": self.ahead_cpu,
+            "held": self.held,
+            "held_seconds": self.held_seconds,
             "checkouts": self.checkouts.stats(),
         }
 
@@ -1497,8 +1518,9 @@ class SaleWriter:
                 self._lock_waiting.append((buyer, call))
 
     def _send_what_fits(self) -> None:
-        """Send what was taken, a batch on each connection with no statement in flight."""
-        while self._taken:
+        """Send what was taken, a batch on each connection with no statement in flight (unless
+        it waits for the buyers the last batch answered)."""
+        while self._taken and not self._holding():
             busy = [batch.database for batch, _, _ in self._writing]
             free = [database for database in self._databases if database not in busy]
             if not free:
@@ -1549,15 +1571,55 @@ class SaleWriter:
             self._reset_connection(batch.database)
         finally:
             self.commit_cpu += time.thread_time() - cpu0
-        self.commit_seconds += time.perf_counter() - started
+        took = time.perf_counter() - started
+        self.commit_seconds += took
         self._writing.remove(writing)
         self._unregister(batch.socket)
-        self._send_what_fits()  # the database's turn again before the buyers' (they can wait)
+        group = _Group()
+        self._hold(sales, took, group)
+        if self._held_for is None:
+            self._send_what_fits()  # the database's turn again before the buyers' (they can wait)
         cpu0 = time.thread_time()
         released = self._release(sales, answers)
-        self._answer_batch(sales, answers, released)
+        self._answer_batch(sales, answers, released, group)
         self.commit_cpu += time.thread_time() - cpu0
         self._take_ahead(sales, answers)
+
+    def _hold(self, sales: list[_Sale], took: float, group: _Group) -> None:
+        """Hold the next batch (what was taken meanwhile, and what arrives) for the buyers of
+        the batch just over who send again on their connections, for as long as its statement
+        took at most: back by then, they go in the same batch, and one statement serves them
+        and those who were waiting. (Sent at once instead, two groups of buyers take turns,
+        each waiting for the other's statement and then its own.) A web process serving a
+        crowd comes back later than that: its request is held no longer than a statement.
+        Handed-off checkouts send nothing again: nothing is held for them."""
+        if self._stopping.is_set() or not any(isinstance(sale.conn, _Connection) for sale in sales):
+            return
+        self._held_for = group
+        self._held_since = time.monotonic()
+        self._hold_until = self._held_since + took
+        self._held_any = False
+
+    def _holding(self) -> bool:
+        """Whether the batch taken waits for the buyers of the last one (`_hold`): until they
+        are all back, or it has waited as long as their statement took."""
+        group = self._held_for
+        if group is None:
+            return False
+        now = time.monotonic()
+        if (
+            now < self._hold_until
+            and len(self._taken) + len(self._pending) < self.batch
+            and not self._stopping.is_set()
+            and any(not conn.closed for conn in group.waiting)
+        ):
+            self._held_any = self._held_any or bool(self._taken or self._pending)
+            return True
+        self._held_for = None
+        if self._held_any:
+            self.held += 1
+            self.held_seconds += now - self._held_since
+        return False
 
     def _release(self, sales: list[_Sale], answers: list[dict[str, Any]]) -> dict[int, list[str]]:
         """Release the locks of the holders whose sales were committed, as they asked, each with
@@ -1596,9 +1658,13 @@ class SaleWriter:
         sales: list[_Sale],
         answers: list[dict[str, Any]],
         released: dict[int, list[str]] | None = None,
+        group: _Group | None = None,
     ) -> None:
+        """Answer each buyer of a batch; those who will send again on their connections join
+        `group` (the next take waits for them)."""
         self.batches += 1
-        group = _Group()
+        if group is None:
+            group = _Group()
         sold = [answer["id"] for answer in answers if answer["o"] == "sold"]
         self.sales += len(sold)
         for place, (sale, answer) in enumerate(zip(sales, answers, strict=True)):

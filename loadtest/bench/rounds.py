@@ -219,6 +219,11 @@ def _writer_summary(stats: dict[str, Any], cpu: float, seconds: float) -> str:
             f"{per_batch(stats['ahead_cpu_seconds'])} CPU), {stats['sold_ahead']} sales served "
             f"from them, {stats['returned_ahead']} given back"
         )
+    if stats.get("held"):
+        summary += (
+            f"; waited for the last batch's buyers: {stats['held']} batches, "
+            f"{1000 * stats['held_seconds'] / stats['held']:.2f} ms each"
+        )
     if stats.get("released"):
         summary += f"; holders' locks released with their commits: {stats['released']}"
     scheduled = stats.get("scheduled")

@@ -7,6 +7,7 @@ mid-statement costs its batch a `busy`, not the writer its life."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -222,6 +223,90 @@ def test_a_batch_is_sent_beside_the_one_in_flight_while_a_connection_is_free(set
     audit = audit_sale("widget")
     assert audit["accepted_units"] == 3 and audit["db_stock"] == audit["redis_stock"] == 7, audit
     assert audit["consistent"], audit
+
+
+class ReturningBuyer(threading.Thread):
+    """Checks out for each of its names in turn on one connection to the writer (its thread's),
+    as a buyer process does; then keeps that connection open until `leave` is set."""
+
+    def __init__(self, sku: str, names: list[str]) -> None:
+        super().__init__()
+        self.sku, self.names = sku, names
+        self.outcomes: list[Any] = []
+        self.leave = threading.Event()
+
+    def run(self) -> None:
+        try:
+            for name in self.names:
+                self.outcomes.append(place_order(sku=self.sku, qty=1, buyer=name).order)
+        except Exception as error:  # noqa: BLE001 - the outcome is what is checked
+            self.outcomes.append(error)
+        finally:
+            self.leave.wait(30)
+            connection.close()
+
+
+@contextmanager
+def two_taken_behind_one_in_flight(item: Item, first: ReturningBuyer) -> Iterator[list[Checkout]]:
+    """`first` checks out and its statement waits on the stock rows (locked for at least half
+    a second); meanwhile two other buyers' checkouts are taken, their batch waiting for the
+    connection. Yields those two once the rows are free again."""
+    with stock_rows_locked(item):
+        first.start()
+        assert wait_until(lambda: plumbing.rows_total(item) == 9, timeout=10)
+        others = [Checkout(item.sku, "bob"), Checkout(item.sku, "cat")]
+        for checkout in others:
+            checkout.start()
+        assert wait_until(lambda: plumbing.rows_total(item) == 7, timeout=10)
+        time.sleep(0.5)  # the statement in flight takes this long at least
+    yield others
+
+
+def test_the_next_batch_waits_for_the_buyers_the_last_one_answered(widget_writer):
+    writer, item = widget_writer
+    # Given a buyer whose checkout is in flight, who checks out again once answered, and two
+    # other buyers' checkouts taken meanwhile
+    ann = ReturningBuyer("widget", ["ann", "ann-again"])
+    with two_taken_behind_one_in_flight(item, ann) as others:
+        # When ann's statement is over
+        for checkout in others:
+            checkout.join(20)
+        assert wait_until(lambda: len(ann.outcomes) == 2, timeout=20)
+        ann.leave.set()
+        ann.join(20)
+
+    # Then the two taken waited for ann to come back, and one statement sold her second unit
+    # with theirs: two batches, not three
+    for outcome in [*ann.outcomes, *(checkout.outcome for checkout in others)]:
+        assert isinstance(outcome, Order), outcome
+    assert all(checkout.committed for checkout in others)
+    assert writer.sales == 4 and writer.batches == 2 and writer.held == 1
+    audit = audit_sale("widget")
+    assert audit["db_stock"] == audit["redis_stock"] == 6 and audit["consistent"], audit
+
+
+def test_a_buyer_that_does_not_come_back_holds_the_next_batch_no_longer_than_a_statement(
+    widget_writer,
+):
+    writer, item = widget_writer
+    # Given a buyer whose checkout is in flight, who stays connected once answered and checks
+    # out no more, and two other buyers' checkouts taken meanwhile
+    ann = ReturningBuyer("widget", ["ann"])
+    with two_taken_behind_one_in_flight(item, ann) as others:
+        # When ann's statement is over
+        for checkout in others:
+            checkout.join(20)
+        # Then the two taken are sold after a wait no longer than that statement's, while ann
+        # is still connected
+        assert ann.is_alive() and len(ann.outcomes) == 1
+        ann.leave.set()
+        ann.join(20)
+
+    for outcome in [*ann.outcomes, *(checkout.outcome for checkout in others)]:
+        assert isinstance(outcome, Order), outcome
+    assert writer.sales == 3 and writer.batches == 2 and writer.held == 1
+    audit = audit_sale("widget")
+    assert audit["db_stock"] == audit["redis_stock"] == 7 and audit["consistent"], audit
 
 
 BUYER_NAMES = [f"buyer-{n}" for n in range(15)]
