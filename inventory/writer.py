@@ -38,11 +38,12 @@ for the statement in flight, or for the linger when there is none (a web process
 crowd rarely comes back with its group: taken alone, each request would cost a script and a
 statement). When a lock holder's sale is among the requests, the linger is
 FLASHSALE_SALE_WRITER_HOLDER_LINGER_US: its shard stays locked while it waits.
-Right after answering a batch, the writer takes ahead, in one script, as many units of each
-sale as the batch sold (FLASHSALE_SALE_WRITER_AHEAD_MS: how long they wait; 0: never): the
-buyers' next requests are served from them with no script on the path they wait on. Held units
-go back when unused, when the writer stops, and before any buyer is told sold out; when Redis
-fails they are dropped, and the counters' rebuild from the database puts them back.
+Right after sending a batch's statement, the writer takes ahead, in one script, as many units
+of each sale as the batch sells (FLASHSALE_SALE_WRITER_AHEAD_MS: how long they wait; 0: never):
+the buyers' next requests are served from them with no script on the path they wait on, the
+script having run while PostgreSQL wrote. Held units go back when unused, when the writer
+stops, and before any buyer is told sold out; when Redis fails they are dropped, and the
+counters' rebuild from the database puts them back.
 One thread, because a second one only moved the batch between threads: with a taker and a
 committer the writer spent half as much CPU again per sale, in their hand-over and their turns
 at the interpreter lock, and sold no faster (docs/design.md).
@@ -1356,25 +1357,21 @@ class SaleWriter:
             self._taken.append(_Sale(conn, {**request["sale"], "rows": rows}, take=take))
         return rest
 
-    def _take_ahead(self, sales: list[_Sale], answers: list[dict[str, Any]]) -> None:
-        """Right after a batch's buyers are answered: take, for each sale, as many units as
-        the batch sold of it to buyers on their connections and the requests of such buyers
-        waiting to be taken ask (less those still held), for the requests its buyers are about
-        to send, in one script, while they make them.
+    def _take_ahead(self, sales: list[_Sale]) -> None:
+        """Right after a batch's statement is sent: take, for each sale, as many units as the
+        batch sells of it to buyers on their connections and the requests of such buyers
+        waiting to be taken ask (less those still held), for the requests its buyers will send
+        once answered, in one script, while PostgreSQL writes the batch.
         Nothing is taken ahead once the writer is stopping."""
         if not self.ahead or self._stopping.is_set():
             return
         wanted: dict[tuple[str, tuple[str, ...]], list[Any]] = {}
-        for sale, answer in zip(sales, answers, strict=True):
+        for sale in sales:
             # Only for a buyer that sends its next request on its connection: a handed-off
             # checkout's client is answered directly, and the next checkout comes from a web
             # process in a time of its own, like a lone request (over HTTP, the host busy all
             # the time, the script ahead for them bought nothing: docs/design.md).
-            if (
-                sale.take is not None
-                and answer["o"] == "sold"
-                and isinstance(sale.conn, _Connection)
-            ):
+            if sale.take is not None and isinstance(sale.conn, _Connection):
                 entry = wanted.setdefault(_ahead_key(sale.take), [sale.take, 0])
                 entry[1] += sale.take.qty
         # Requests read and not taken yet (the other group's, back during the statement) will
@@ -1550,6 +1547,7 @@ class SaleWriter:
         self._selector.register(batch.socket, selectors.EVENT_READ, None)
         self._writing.append((batch, sales, started))
         self.most_in_flight = max(self.most_in_flight, len(self._writing))
+        self._take_ahead(sales)
 
     def _poll(self, writing: tuple[stock.BatchInFlight, list[_Sale], float]) -> None:
         """Read a statement's answer; once it is over, send the next batch, then answer
@@ -1583,7 +1581,6 @@ class SaleWriter:
         released = self._release(sales, answers)
         self._answer_batch(sales, answers, released, group)
         self.commit_cpu += time.thread_time() - cpu0
-        self._take_ahead(sales, answers)
 
     def _hold(self, sales: list[_Sale], took: float, group: _Group) -> None:
         """Hold the next batch (what was taken meanwhile, and what arrives) for the buyers of
