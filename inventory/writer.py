@@ -940,13 +940,15 @@ class SaleWriter:
         any of them has sent again (or gone), or the linger since the first of them did is
         over. A lone request waits for the statement in flight: whatever arrives meanwhile is
         taken with it, in one script, into one batch (one web process of many, with other
-        requests to serve in between, rarely comes back with its group)."""
+        requests to serve in between, rarely comes back with its group). Not while the next
+        batch waits for the last one's buyers (`_holding`), and at once when a batch taken is
+        about to go: whatever has arrived goes with it."""
         if len(self._pending) >= self.batch:
             return True
         if self._holding():
             return False
         if self._taken and len(self._writing) < len(self._databases):
-            return True  # a batch goes now: whatever has arrived goes with it
+            return True
         linger = self._linger()
         if not linger:
             return True
@@ -1592,6 +1594,8 @@ class SaleWriter:
         Handed-off checkouts send nothing again: nothing is held for them."""
         if self._stopping.is_set() or not any(isinstance(sale.conn, _Connection) for sale in sales):
             return
+        if self._held_for is not None:  # another batch's buyers (with several connections)
+            self._end_hold(time.monotonic())
         self._held_for = group
         self._held_since = time.monotonic()
         self._hold_until = self._held_since + took
@@ -1612,11 +1616,14 @@ class SaleWriter:
         ):
             self._held_any = self._held_any or bool(self._taken or self._pending)
             return True
+        self._end_hold(now)
+        return False
+
+    def _end_hold(self, now: float) -> None:
         self._held_for = None
         if self._held_any:
             self.held += 1
             self.held_seconds += now - self._held_since
-        return False
 
     def _release(self, sales: list[_Sale], answers: list[dict[str, Any]]) -> dict[int, list[str]]:
         """Release the locks of the holders whose sales were committed, as they asked, each with
