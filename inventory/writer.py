@@ -1376,8 +1376,9 @@ class SaleWriter:
             if sale.take is not None and isinstance(sale.conn, _Connection):
                 entry = wanted.setdefault(_ahead_key(sale.take), [sale.take, 0])
                 entry[1] += sale.take.qty
-        # Requests read and not taken yet (the other group's, back during the statement) will
-        # be served from what is held first: taken for as well.
+        # Requests read and not taken yet (those that came back while a batch was held, or
+        # during a statement on another connection) will be served from what is held first:
+        # taken for as well.
         for conn, request in self._pending:
             if not isinstance(conn, _Connection):
                 continue
