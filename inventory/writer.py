@@ -98,6 +98,7 @@ from email.utils import formatdate
 from http import HTTPStatus
 from typing import Any
 
+import orjson
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, close_old_connections, connection, connections
 from redis.exceptions import ResponseError
@@ -141,7 +142,7 @@ class WriterLost(Exception):
 
 
 def _line(message: dict[str, Any]) -> bytes:
-    return stock.compact_json(message).encode() + b"\n"
+    return orjson.dumps(message, option=stock.JSON_OPTIONS | orjson.OPT_APPEND_NEWLINE)
 
 
 #: The environ keys of a hand-off (`shop.handoff.HandOffWorker`): the client's connection the
@@ -271,7 +272,7 @@ class WriterClient:
         if not raw.endswith(b"\n"):
             self._drop()
             raise WriterLost(f"sale writer at {self.path} closed the connection")
-        return json.loads(raw)
+        return orjson.loads(raw)
 
     def hand_off(self, request: dict[str, Any], fd: int) -> None:
         """Send a request with a connection for the writer to answer on (its descriptor); no
@@ -322,7 +323,7 @@ def writer_stats(path: str, timeout: float = 5.0) -> dict[str, Any]:
             raw = reader.readline(MAX_LINE)
     if not raw.endswith(b"\n"):
         raise ConnectionError(f"sale writer at {path} closed the connection")
-    return json.loads(raw)
+    return orjson.loads(raw)
 
 
 _clients: dict[tuple[int, str], WriterClient] = {}
@@ -1036,11 +1037,12 @@ class SaleWriter:
             raw = bytes(conn.buffer[:end])
             del conn.buffer[: end + 1]
             try:
-                request = json.loads(raw)
-                if not isinstance(request, dict):
-                    raise ValueError("not an object")
-            except ValueError as exc:
-                self._answer(conn, {"o": "invalid", "e": str(exc)})
+                request = orjson.loads(raw)
+            except orjson.JSONDecodeError as exc:
+                self._answer(conn, {"o": "invalid", "e": f"not JSON: {exc}"})
+                continue
+            if not isinstance(request, dict):
+                self._answer(conn, {"o": "invalid", "e": "not an object"})
                 continue
             if request.get("op") == "stats":
                 self._answer(conn, self.stats())

@@ -400,7 +400,7 @@ def _good_request(item: Item) -> dict:
 @pytest.mark.parametrize(
     ("line", "change", "why"),
     [
-        (b"not json\n", None, "Expecting value"),
+        (b"not json\n", None, "not JSON"),
         (b"[1, 2]\n", None, "not an object"),
         (b'{"qty": 1}\n', None, "KeyError"),
         (None, {"rows": 0}, "at least one counter"),
