@@ -397,6 +397,19 @@ def _good_request(item: Item) -> dict:
     }
 
 
+def test_messages_and_the_batch_parameter_are_compact_json_with_keys_as_strings():
+    """What the writer's two ends and the batch statement exchange reads as the standard
+    library would read it: no spaces, keys that are numbers written as strings (the levels of
+    a batch's rows are keyed by index), one message a line."""
+    message = {"o": "sold", "rows": {3: 1}, "levels": {"3": [7, 2]}, "key": None, "ok": True}
+    assert stock.compact_json(message) == (
+        '{"o":"sold","rows":{"3":1},"levels":{"3":[7,2]},"key":null,"ok":true}'
+    )
+    line = writer._line(message)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert json.loads(line) == {**message, "rows": {"3": 1}}
+
+
 @pytest.mark.parametrize(
     ("line", "change", "why"),
     [
