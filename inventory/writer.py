@@ -1555,8 +1555,8 @@ class SaleWriter:
         self._take_ahead(sales)
 
     def _poll(self, writing: tuple[stock.BatchInFlight, list[_Sale], float]) -> None:
-        """Read a statement's answer; once it is over, send the next batch, then answer
-        this one's buyers."""
+        """Read a statement's answer; once it is over, send the next batch (unless it waits
+        for this one's buyers, `_hold`), then answer this one's buyers."""
         batch, sales, started = writing
         cpu0 = time.thread_time()
         try:
