@@ -26,14 +26,18 @@ code 3, unless `--allow-oversell` says the oversell is the point (the `unsafe` b
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
 import re
 import time
+import urllib.parse
 import urllib.request
 import uuid
 
+import gevent
+from gevent.resolver.blocking import Resolver as BlockingResolver
 from locust import FastHttpUser, LoadTestShape, constant, events, task
 from locust.runners import WORKER_REPORT_INTERVAL, MasterRunner, WorkerRunner
 
@@ -84,6 +88,30 @@ def _add_options(parser) -> None:
         action="store_true",
         help="end the run once buyers are told sold out and nothing more sells (-t still caps)",
     )
+
+
+@events.init.add_listener
+def _resolve_addresses_in_place(environment, **_kwargs) -> None:
+    """Against a host given as an IP address, look it up in place, not on gevent's threads.
+
+    The shop's sync workers close each connection after its answer, so a buyer connects anew
+    for every request, and the client looks the host up each time. gevent's default resolver
+    hands every lookup to a thread and waits for it: 150 us of CPU for an address that needs
+    no lookup, about a fifth of what a request costs the crowd, on the host that serves the
+    sale. Looked up in place, an address costs 11 us and never blocks (a name still goes to
+    the threads: a DNS lookup in place would stall every buyer of the process).
+    """
+    if is_ip_address(urllib.parse.urlsplit(environment.host or "").hostname):
+        hub = gevent.get_hub()
+        hub.resolver = BlockingResolver(hub)
+
+
+def is_ip_address(host: str | None) -> bool:
+    try:
+        ipaddress.ip_address(host or "")
+    except ValueError:
+        return False
+    return True
 
 
 #: When the crowd buys (monotonic clock of this process); until then buyers only look.
