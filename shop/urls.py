@@ -6,10 +6,11 @@ from inventory import api
 from . import metrics, views
 
 urlpatterns = [
+    # The API first: a flash crowd's requests are tried against no page's pattern.
+    path("api/", include("inventory.urls")),
     path("", views.item_list, name="item-list"),
     path("items/<str:sku>/", views.item_page, name="item"),
     path("orders/<uuid:order_id>/", views.order_page, name="order"),
-    path("api/", include("inventory.urls")),
     path("healthz", api.healthz, name="healthz"),
     path("metrics", metrics.metrics, name="metrics"),
     # Before the admin's own catch-all; named by string, so shop imports nothing of loadtest.
