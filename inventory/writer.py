@@ -36,7 +36,9 @@ that such buyers make one group, written by one statement, rather than two group
 at the connection, each paying a statement for half of them. A lone request waits for company:
 for the statement in flight, or for the linger when there is none (a web process serving a
 crowd rarely comes back with its group: taken alone, each request would cost a script and a
-statement). When a lock holder's sale is among the requests, the linger is
+statement); `lua` checkouts handed off with their clients' connections, which never come back
+as a group, wait for FLASHSALE_SALE_WRITER_COMPANY of them (or the linger) before they go with
+nothing in flight. When a lock holder's sale is among the requests, the linger is
 FLASHSALE_SALE_WRITER_HOLDER_LINGER_US: its shard stays locked while it waits.
 Right after sending a batch's statement, the writer takes ahead, in one script, as many units
 of each sale as the batch sells (FLASHSALE_SALE_WRITER_AHEAD_MS: how long they wait; 0: never):
@@ -752,6 +754,10 @@ class SaleWriter:
         #: among them (FLASHSALE_SALE_WRITER_HOLDER_LINGER_US).
         self.linger = settings.FLASHSALE_SALE_WRITER_LINGER_US / 1_000_000
         self.holder_linger = settings.FLASHSALE_SALE_WRITER_HOLDER_LINGER_US / 1_000_000
+        #: How many handed-off `lua` checkouts go without waiting the linger when no statement
+        #: is in flight (FLASHSALE_SALE_WRITER_COMPANY); two, when any other request is among
+        #: them.
+        self.company = min(settings.FLASHSALE_SALE_WRITER_COMPANY, self.batch)
         self._selector = selectors.DefaultSelector()
         self._stopping = threading.Event()
         self._counter = StockCounter(get_redis_client())
@@ -911,7 +917,7 @@ class SaleWriter:
         return timeout
 
     def _pending_timeout(self) -> float:
-        if len(self._pending) == 1 and not self._writing:
+        if self._pending and not self._writing and len(self._pending) < self._company():
             return max(0.0, self._pending_since + self._linger() - time.monotonic())
         if len(self._pending) < 2 or not self._writing:
             return 0.5
@@ -931,6 +937,17 @@ class SaleWriter:
         if any("write" in request for _, request in self._pending):
             return self.holder_linger
         return self.linger
+
+    def _company(self) -> int:
+        """How many pending requests go at once when no statement is in flight (fewer wait
+        the linger from the first): `company` when they are all handed-off `lua` checkouts,
+        else two. A web process hands a checkout off and serves other requests; no group of
+        buyers comes back together, so a batch is what arrived meanwhile, and each pays a
+        script and a statement: at the pace two cores sell over HTTP, two or three
+        checkouts' worth, when a few more arrive within the linger."""
+        if all(isinstance(conn, _Buyer) and "sale" in request for conn, request in self._pending):
+            return self.company
+        return 2
 
     def _pending_groups(self) -> set[_Group]:
         return {conn.group for conn, _ in self._pending if conn.group is not None}
@@ -955,8 +972,12 @@ class SaleWriter:
             return True
         if not self._writing:
             # A lone request waits a moment for company (the next checkout is often on
-            # its way); two or more go at once: the database waits.
-            return len(self._pending) > 1 or time.monotonic() >= self._pending_since + linger
+            # its way); two or more go at once, the database waits (handed-off checkouts:
+            # `_company` of them).
+            return (
+                len(self._pending) >= self._company()
+                or time.monotonic() >= self._pending_since + linger
+            )
         if len(self._pending) < 2:
             return False
         now = time.monotonic()

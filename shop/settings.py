@@ -250,6 +250,16 @@ for _wait in ("FLASHSALE_SALE_WRITER_LINGER_US", "FLASHSALE_SALE_WRITER_HOLDER_L
         raise ImproperlyConfigured(
             f"{_wait} must be from 0 to 100000 (0.1 s), not {globals()[_wait]}"
         )
+# How many `lua` checkouts handed off by the web processes (with their clients' connections)
+# the sale writer takes at once when no statement is in flight; fewer wait for company, at most
+# the linger from the first. Handed-off buyers never come back as a group, so a batch is what
+# arrived meanwhile, and each batch pays a script and a statement: 2 takes them as they come,
+# two or three a batch over HTTP on two cores.
+FLASHSALE_SALE_WRITER_COMPANY = env.int("FLASHSALE_SALE_WRITER_COMPANY", default=6)
+if not 2 <= FLASHSALE_SALE_WRITER_COMPANY <= 1000:
+    raise ImproperlyConfigured(
+        f"FLASHSALE_SALE_WRITER_COMPANY must be from 2 to 1000, not {FLASHSALE_SALE_WRITER_COMPANY}"
+    )
 # How long (milliseconds) units the sale writer took ahead for a sale's next `lua` requests may
 # wait for them before they go back to Redis; 0: it takes nothing ahead. Right after it answers
 # a batch, the writer takes as many units as that batch sold for the requests its buyers are

@@ -197,6 +197,8 @@ def test_sale_command_refuses_bad_arguments_and_changes_nothing(item, args):
         ("FLASHSALE_SALE_WRITER_LINGER_US", "-1", "must be from 0 to 100000 (0.1 s), not -1"),
         ("FLASHSALE_SALE_WRITER_CONNECTIONS", "0", "must be from 1 to 8, not 0"),
         ("FLASHSALE_SALE_WRITER_CONNECTIONS", "9", "must be from 1 to 8, not 9"),
+        ("FLASHSALE_SALE_WRITER_COMPANY", "1", "must be from 2 to 1000, not 1"),
+        ("FLASHSALE_SALE_WRITER_COMPANY", "1001", "must be from 2 to 1000, not 1001"),
         ("FLASHSALE_ITEM_PAGE_MS", "-1", "must be from 0 to 60000 (a minute), not -1"),
         ("FLASHSALE_ITEM_PAGE_MS", "x", "FLASHSALE_ITEM_PAGE_MS"),
         (
