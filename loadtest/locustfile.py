@@ -101,12 +101,12 @@ def _resolve_addresses_in_place(environment, **_kwargs) -> None:
     sale. Looked up in place, an address costs 11 us and never blocks (a name still goes to
     the threads: a DNS lookup in place would stall every buyer of the process).
     """
-    if is_ip_address(urllib.parse.urlsplit(environment.host or "").hostname):
+    if _is_ip_address(urllib.parse.urlsplit(environment.host or "").hostname):
         hub = gevent.get_hub()
         hub.resolver = BlockingResolver(hub)
 
 
-def is_ip_address(host: str | None) -> bool:
+def _is_ip_address(host: str | None) -> bool:
     try:
         ipaddress.ip_address(host or "")
     except ValueError:
