@@ -36,8 +36,9 @@ that such buyers make one group, written by one statement, rather than two group
 at the connection, each paying a statement for half of them. A lone request waits for company:
 for the statement in flight, or for the linger when there is none (a web process serving a
 crowd rarely comes back with its group: taken alone, each request would cost a script and a
-statement); `lua` checkouts handed off with their clients' connections, which never come back
-as a group, wait for FLASHSALE_SALE_WRITER_COMPANY of them (or the linger) before they go with
+statement); checkouts handed off with their clients' connections (`lua`'s, and `segmented`'s,
+whose shards the writer locks only when it takes them), which never come back as a group, wait
+for FLASHSALE_SALE_WRITER_COMPANY of them (or the linger) before they go with
 nothing in flight. When a lock holder's sale is among the requests, the linger is
 FLASHSALE_SALE_WRITER_HOLDER_LINGER_US: its shard stays locked while it waits.
 Right after sending a batch's statement, the writer takes ahead, in one script, as many units
@@ -754,9 +755,9 @@ class SaleWriter:
         #: among them (FLASHSALE_SALE_WRITER_HOLDER_LINGER_US).
         self.linger = settings.FLASHSALE_SALE_WRITER_LINGER_US / 1_000_000
         self.holder_linger = settings.FLASHSALE_SALE_WRITER_HOLDER_LINGER_US / 1_000_000
-        #: How many handed-off `lua` checkouts go without waiting the linger when no statement
-        #: is in flight (FLASHSALE_SALE_WRITER_COMPANY); two, when any other request is among
-        #: them.
+        #: How many handed-off checkouts (`lua`'s, `segmented`'s) go without waiting the linger
+        #: when no statement is in flight (FLASHSALE_SALE_WRITER_COMPANY); two, when any other
+        #: request is among them.
         self.company = min(settings.FLASHSALE_SALE_WRITER_COMPANY, self.batch)
         self._selector = selectors.DefaultSelector()
         self._stopping = threading.Event()
@@ -940,11 +941,12 @@ class SaleWriter:
 
     def _company(self) -> int:
         """How many pending requests go at once when no statement is in flight (fewer wait
-        the linger from the first): `company` when they are all handed-off `lua` checkouts,
-        else two. A web process hands a checkout off and serves other requests; no group of
-        buyers comes back together, so a batch is what arrived meanwhile, and each pays a
-        script and a statement: at the pace two cores sell over HTTP, two or three
-        checkouts' worth, when a few more arrive within the linger."""
+        the linger from the first): `company` when they are all handed-off checkouts (`lua`'s,
+        and `segmented`'s, whose shards are locked only once they are taken), else two. A web
+        process hands a checkout off and serves other requests; no group of buyers comes back
+        together, so a batch is what arrived meanwhile, and each pays a script and a
+        statement: at the pace two cores sell over HTTP, two or three checkouts' worth, when a
+        few more arrive within the linger."""
         if all(isinstance(conn, _Buyer) and "sale" in request for conn, request in self._pending):
             return self.company
         return 2

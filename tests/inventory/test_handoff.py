@@ -504,32 +504,37 @@ def _lua_request(
     )
 
 
-def test_handed_off_lua_checkouts_wait_for_company_then_go_in_one_batch(settings):
-    # Given a writer that takes handed-off `lua` checkouts three at a time when nothing is in
-    # flight, and would wait 30 s for company for fewer
+@pytest.mark.parametrize(
+    ("strategy", "request_of"), [("lua", _lua_request), ("segmented", _lock_request)]
+)
+def test_handed_off_checkouts_wait_for_company_then_go_in_one_batch(settings, strategy, request_of):
+    # Given a writer that takes handed-off checkouts (`lua`'s, and `segmented`'s, whose shards
+    # it locks at the take) three at a time when nothing is in flight, and would wait 30 s for
+    # company for fewer
     settings.FLASHSALE_SALE_WRITER_LINGER_US = 30_000_000
     settings.FLASHSALE_SALE_WRITER_COMPANY = 3
-    start_sale(sku="widget", stock=10, strategy="lua")
+    start_sale(sku="widget", stock=10, strategy=strategy)
     item = Item.objects.get(sku="widget")
     with serving() as sale_writer, contextlib.ExitStack() as stack:
         # When two buyers' checkouts are handed to it
         clients = [
-            stack.enter_context(_handed_by_hand(sale_writer.path, _lua_request(item, buyer)))
+            stack.enter_context(_handed_by_hand(sale_writer.path, request_of(item, buyer)))
             for buyer in ("ann", "bob")
         ]
-        # Then neither is taken yet: they wait for company
+        # Then neither is taken yet: they wait for company, no shard locked for them
         assert wait_until(lambda: len(sale_writer._pending) == 2, timeout=5, interval=0.01)
         time.sleep(0.5)
-        assert sale_writer.batches == 0 and plumbing.rows_total(item) == 10
+        assert sale_writer.batches == 0 and sale_writer.locked == 0
+        assert plumbing.rows_total(item) == 10
 
         # and once a third one is there, the three are taken and written in one batch
-        third = _handed_by_hand(sale_writer.path, _lua_request(item, "cat"))
+        third = _handed_by_hand(sale_writer.path, request_of(item, "cat"))
         clients.append(stack.enter_context(third))
         answers = [client.recv(65536) for client in clients]
         assert sale_writer.sales == 3 and sale_writer.batches == 1
     assert all(answer.startswith(b"HTTP/1.1 201 Created\r\n") for answer in answers), answers
     audit = audit_sale("widget")
-    assert audit["db_stock"] == audit["redis_stock"] == 7 and audit["consistent"], audit
+    assert audit["db_stock"] == 7 and audit["accepted_units"] == 3 and audit["consistent"], audit
 
 
 def test_a_refused_checkout_s_shard_lock_is_released_while_the_writer_s_threads_are_busy(
