@@ -16,6 +16,10 @@
                                             each sale's answer
     item:<sku>:sale:<id>:{<sku>:<id>}:returned:<order>
                                             set once a failed order's units are back in Redis
+    item:<sku>:sale:<id>:{<sku>:<id>}:gone, :additions
+                                            `lock`'s sold-out mark (`<additions>:<units left>`)
+                                            and the count of additions to the item row that
+                                            voids every mark made before it
 
 The braces are Redis Cluster hash tags: only the text inside them picks a key's slot, so every
 key one script touches shares one. A lock shares its slot with its own helper keys; a

@@ -380,7 +380,11 @@ def reconcile_sale(sku: str) -> list[str]:
             Item.objects.filter(pk=item.pk).update(stock=expected)
             item.stock = expected
     strategy = get_strategy(item.strategy)
-    if strategy.counts_in_redis:
+    if not strategy.counts_in_redis:
+        # Its Redis state, if any, is a sold-out mark (`lock`'s): voided on every pass, so that
+        # none outlives units a restock or a give-back added while Redis missed it.
+        strategy.sync_redis(item=item)
+    else:
         before = strategy.redis_stock(item=item)
         if before != expected:
             strategy.sync_redis(item=item, force=True)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from django.conf import settings
 
+from locking.scripts import script_for
+
 from .. import keys, metrics
 from ..exceptions import Busy, LockLost, SoldOut
 from ..models import Item, Order
+from ..redis_client import get_redis_client
 from ..stock import Fenced, read_stock, simulate_work
 from .base import Allocation, RecordOrder, StockStrategy
 from .plumbing import (
@@ -26,6 +29,14 @@ class LockStrategy(StockStrategy):
     database fallback writing from outside the lock while Redis recovers, cannot oversell; and
     fenced (the lock's fencing token, which the row refuses once a later holder has written),
     so a holder paused past its lock's TTL cannot write at all when it wakes.
+
+    Its units live in the item row alone. A checkout this process's last read says is sold out
+    asks Redis before the database: the first to find the row short marks the sale gone in
+    Redis (`_GONE_MARK`), and later ones, in every process, are answered from that mark with no
+    database round trip. Whatever adds units to the row (a failed order's give-back, a restock,
+    a repair, Redis rebuilt after an outage) counts one more addition (`_units_back`), which
+    voids every mark made before it; a checkout marks only if no addition came since it looked,
+    so no mark outlives the units it says are gone.
     """
 
     name = "lock"
@@ -41,8 +52,13 @@ class LockStrategy(StockStrategy):
         # it spares the lock once the item is gone. A remembered read may be old, so "gone" is
         # read again from the database before it is answered.
         if item.stock < qty:
+            mark, additions = self._gone(item)
+            if mark is not None and mark < qty:
+                item.stock = mark
+                raise SoldOut(sku=item.sku, requested=qty, remaining=mark)
             item.stock = read_stock(item.pk).stock
             if item.stock < qty:
+                self._mark_gone(item, item.stock, additions)
                 raise SoldOut(sku=item.sku, requested=qty, remaining=item.stock)
         lock = new_lock(keys.item_lock(item), strategy=self.name, quorum=True)
         # The sale's statement is built and a cursor opened before the lock is asked for: the
@@ -71,3 +87,55 @@ class LockStrategy(StockStrategy):
         if sold.item_stock is not None:
             item.stock = sold.item_stock  # what a checkout using this item read next will see
         return sold.order
+
+    # -- the sold-out mark --------------------------------------------------------------------
+
+    @staticmethod
+    def _gone(item: Item) -> tuple[int | None, bytes]:
+        """The units the sale's mark says are left (None: no mark, or one an addition voided),
+        and the additions counted so far (what `_mark_gone` must still find)."""
+        mark, additions = get_redis_client().mget(_gone_keys(item))
+        additions = additions or b"0"
+        if mark is None:
+            return None, additions
+        made_at, _, left = mark.partition(b":")
+        return (int(left) if made_at == additions else None), additions
+
+    @staticmethod
+    def _mark_gone(item: Item, left: int, additions: bytes) -> None:
+        """Mark the sale gone with `left` units, unless units were added since `additions`
+        was read (then the read that found it short may be older than they are)."""
+        script_for(get_redis_client(), _GONE_MARK)(
+            keys=_gone_keys(item), args=[additions, left], client=get_redis_client()
+        )
+
+    @staticmethod
+    def _units_back(item: Item) -> None:
+        """Units came back to the item row (committed already): void every mark made before."""
+        get_redis_client().incr(_gone_keys(item)[1])
+
+    def sync_redis(self, *, item: Item, force: bool = False) -> None:
+        self._units_back(item)
+
+    def return_units(self, *, item: Item, order: Order) -> None:
+        self._units_back(item)
+
+    def add_units(self, *, item: Item, units: int, rows: dict[int, int]) -> None:
+        self._units_back(item)
+
+
+def _gone_keys(item: Item) -> list[str]:
+    """The sale's sold-out mark and its count of additions, in the sale's slot."""
+    return [keys.sale_key(item, "gone"), keys.sale_key(item, "additions")]
+
+
+#: Mark a sale gone: KEYS the mark and the additions; ARGV the additions as the checkout read
+#: them (b"0" for none) and the units it found left. Marks only if no addition came since.
+_GONE_MARK = """
+local additions = redis.call('GET', KEYS[2]) or '0'
+if additions ~= ARGV[1] then
+    return 0
+end
+redis.call('SET', KEYS[1], ARGV[1] .. ':' .. ARGV[2])
+return 1
+"""

@@ -4,14 +4,15 @@ and Redis. Every round checks exact counts, repeated to give a race room to show
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from django.db import connection
 
-from inventory.models import Order
-from inventory.orders import reconcile_sale
+from inventory.models import Order, OrderStatus
+from inventory.orders import expire_order, reconcile_sale
 from inventory.selectors import audit_sale
 from inventory.services import start_sale
 from loadtest.flood import flood
@@ -53,6 +54,52 @@ def test_a_flood_sells_exactly_the_stock(shop_server, strategy):
             for pid in Order.objects.filter(item__sku=sku).values_list("public_id", flat=True)
         }
         assert sorted(result.order_ids) == sorted(stored), context
+
+
+def _expire_pending(sku: str, expired: list[int], flood_over: threading.Event) -> None:
+    """Expire pending orders of sku, each giving its unit back: six while the crowd buys, six
+    more once it has gone (by then its refusals have marked the sale gone)."""
+    deadline = time.monotonic() + 120
+    try:
+        for wanted, after in ((6, None), (12, flood_over)):
+            if after is not None:
+                after.wait(120)
+            while len(expired) < wanted and time.monotonic() < deadline:
+                pending = Order.objects.filter(item__sku=sku, status=OrderStatus.PENDING)
+                order_pk = pending.order_by("?").values_list("pk", flat=True).first()
+                if order_pk is not None and expire_order(order_pk):
+                    expired.append(order_pk)
+                time.sleep(0.01)
+    finally:
+        connection.close()
+
+
+def test_lock_units_given_back_after_the_sell_out_are_sold_again(shop_server):
+    for round_number in range(3):
+        # Given a `lock` sale of 50 units flooded as above (once it is sold out, its refusals
+        # mark it gone in Redis), while orders expire and give their units back, during the
+        # flood and after it
+        sku = f"lock-back-{uuid.uuid4().hex[:8]}"
+        start_sale(sku=sku, stock=STOCK, strategy="lock")
+        expired: list[int] = []
+        flood_over = threading.Event()
+        expirer = threading.Thread(target=_expire_pending, args=(sku, expired, flood_over))
+        expirer.start()
+        result = flood(shop_server.url, sku, attempts=ATTEMPTS, concurrency=BUYERS)
+        flood_over.set()
+        expirer.join(timeout=150)
+        assert not expirer.is_alive() and len(expired) == 12
+
+        # When buyers come back one at a time
+        again = flood(shop_server.url, sku, attempts=20, concurrency=1)
+
+        # Then every unit given back was sold again: no mark outlived units that came back
+        context = f"round {round_number}: {dict(result.statuses)} then {dict(again.statuses)}"
+        assert result.server_errors == again.server_errors == 0, context
+        audit = audit_sale(sku)
+        assert audit["oversold"] == 0 and audit["consistent"], audit
+        assert audit["accepted_units"] == STOCK and audit["db_stock"] == 0, (context, audit)
+        assert again.errors == {"sold_out": 20 - again.accepted}, context
 
 
 def test_unsafe_oversells_under_the_same_flood(shop_server):
