@@ -50,7 +50,8 @@ class LockStrategy(StockStrategy):
     def take(self, *, item: Item, qty: int, record: RecordOrder) -> Order:
         # The stock read with the item (or left by the last sale of this process), no decision:
         # it spares the lock once the item is gone. A remembered read may be old, so "gone" is
-        # read again from the database before it is answered.
+        # answered from the sale's mark in Redis, or else read again from the database (and
+        # marked) before it is answered.
         if item.stock < qty:
             mark, additions = self._gone(item)
             if mark is not None and mark < qty:
