@@ -44,7 +44,7 @@ class LockStrategy(StockStrategy):
     uses_redis = True
     # Its write refuses a sale restarted since the item was read, and the stock it checks
     # before taking the lock is only a shortcut (kept up to date by each sale of this process,
-    # read again before a sold-out answer).
+    # checked against the sale's mark or the database before a sold-out answer).
     item_may_be_remembered = True
 
     def take(self, *, item: Item, qty: int, record: RecordOrder) -> Order:
