@@ -106,9 +106,8 @@ class LockStrategy(StockStrategy):
     def _mark_gone(item: Item, left: int, additions: bytes) -> None:
         """Mark the sale gone with `left` units, unless units were added since `additions`
         was read (then the read that found it short may be older than they are)."""
-        script_for(get_redis_client(), _GONE_MARK)(
-            keys=_gone_keys(item), args=[additions, left], client=get_redis_client()
-        )
+        client = get_redis_client()
+        script_for(client, _GONE_MARK)(keys=_gone_keys(item), args=[additions, left], client=client)
 
     @staticmethod
     def _units_back(item: Item) -> None:

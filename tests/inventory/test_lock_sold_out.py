@@ -56,12 +56,12 @@ def test_a_lock_sold_out_answer_costs_no_database_round_trip_once_marked(client,
     assert Order.objects.count() == 2
 
 
-def _give_back_one(client) -> None:
+def _give_back_one() -> None:
     order = Order.objects.order_by("pk").first()
     assert orders.expire_order(order.pk)
 
 
-def _restock_one(client) -> None:
+def _restock_one() -> None:
     restock(sku="widget", units=1)
 
 
@@ -71,7 +71,7 @@ def test_units_that_come_back_void_the_mark_and_sell_at_once(client, settings, u
     assert _queries(client, "dee", 409) == 0  # marked
 
     # When a unit comes back to the item row (committed, then told to Redis)
-    units_back(client)
+    units_back()
 
     # Then the next checkout buys it, and the one after is refused (and marks again)
     assert _checkout(client, "eve").status_code == 201
