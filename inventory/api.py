@@ -18,7 +18,7 @@ from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from . import metrics, selectors, services, writer
+from . import metrics, selectors, services
 from .exceptions import Busy, CheckoutError, InvalidRequest
 from .models import SKU_PATTERN, Order
 from .strategies.plumbing import lock_wait_seconds
@@ -117,23 +117,13 @@ def _read_body(request: HttpRequest) -> bytes:
 
 @csrf_exempt
 def checkout(request: HttpRequest) -> JsonResponse:
-    """POST /api/checkout. Served by the shop's gunicorn worker (`shop.handoff`), a `lua` or
-    `segmented` checkout without an idempotency key may be answered by the sale writer instead:
-    then this view leaves the worker what to send it (`writer.HandOff`) and a placeholder
-    answer, which the client never sees."""
+    """POST /api/checkout: validate, sell through the item's strategy, answer."""
     if request.method != "POST":
         return method_not_allowed(request, "POST")
     started = time.perf_counter()
-    began = time.monotonic()
     lock_wait_seconds.set(0.0)
     services.checkout_strategy.set(metrics.NO_STRATEGY)
-    offered = writer.CLIENT in request.META and not request.META.get(writer.DIRECT)
-    try:
-        with writer.handing_off(offered):
-            response, outcome = _checkout(request)
-    except writer.HandedOff as handed:
-        request.META[writer.HAND_OFF] = writer.HandOff(handed, request.body, began)
-        response, outcome = JsonResponse({}, status=202), "handed_off"
+    response, outcome = _checkout(request)
     metrics.checkout_answered(
         services.checkout_strategy.get(), outcome, time.perf_counter() - started
     )
@@ -167,8 +157,7 @@ def _checkout(request: HttpRequest) -> tuple[JsonResponse, str]:
 def answer_checkout(
     *, sku: str, qty: int, buyer: str, idempotency_key: str | None
 ) -> tuple[JsonResponse, str]:
-    """A validated checkout's answer, and its outcome: `accepted` or the error's code (also
-    what the sale writer answers a handed-off checkout with when its batch did not sell it)."""
+    """A validated checkout's answer, and its outcome: `accepted` or the error's code."""
     try:
         result = services.place_order(
             sku=sku, qty=qty, buyer=buyer, idempotency_key=idempotency_key

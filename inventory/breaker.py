@@ -149,9 +149,8 @@ class CircuitBreaker:
 redis_recovery: list[Callable[[], None]] = []
 
 #: Locks this process may hold without knowing it: a SET NX or a release that timed out may
-#: still run on the server (a paused Redis runs it when it wakes), or one the sale writer was
-#: to release for a holder while Redis was down. Released on recovery, so waiters need not sit
-#: out the lock's TTL.
+#: still run on the server (a paused Redis runs it when it wakes). Released on recovery, so
+#: waiters need not sit out the lock's TTL.
 _unsettled: set[tuple[str, bytes]] = set()
 _unsettled_lock = threading.Lock()
 

@@ -70,6 +70,27 @@ class LockLost(Busy):
     this one's lock expired under it: it was paused past its TTL). Nothing was taken."""
 
 
+class NotWritten(Busy):
+    """The database connection was lost while the sale's statement ran, and the database,
+    asked again, holds no such order: nothing was sold. Safe to retry."""
+
+
+class OutcomeUnknown(CheckoutError):
+    """The database connection was lost while the sale's statement ran, and the database did
+    not answer whether it committed. Not an invitation to retry: `GET /api/orders/<order>`
+    tells, once the database is back."""
+
+    code = "outcome_unknown"
+    status = 503
+
+    def __init__(self, order: str) -> None:
+        super().__init__(
+            "the database stopped answering while the sale was written: it may or may not be "
+            f"placed; GET /api/orders/{order} tells once the shop's database is back"
+        )
+        self.order = order
+
+
 class NotOnSale(CheckoutError):
     code = "not_on_sale"
     status = 409

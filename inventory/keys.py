@@ -11,9 +11,6 @@
     item:<sku>:sale:<id>:{<sku>:<id>}:turn  `lua`'s cursor over the rows
     item:<sku>:sale:<id>:{<sku>:<id>}:claim:<key>
                                             a `lua` checkout's claim on its idempotency key
-    item:<sku>:sale:<id>:{<sku>:<id>}:commits, :combiner, :answer:<request>
-                                            group commit: the queued sales, the combiner lock,
-                                            each sale's answer
     item:<sku>:sale:<id>:{<sku>:<id>}:returned:<order>
                                             set once a failed order's units are back in Redis
     item:<sku>:sale:<id>:{<sku>:<id>}:gone, :additions
@@ -94,33 +91,8 @@ def _turn(prefix: str, sku: str, sale_id: int | None) -> str:
     return _in_sale(sku, sale_id, "turn")
 
 
-def sale_counters(sku: str, sale_id: int, count: int) -> tuple[str, tuple[str, ...]]:
-    """`turn` and `rows` of a `lua` sale (its rows in the sale's slot), from what names it
-    rather than from its item: the sale writer builds them for the requests it gets."""
-    return _sale_counters(settings.FLASHSALE_REDIS_PREFIX, sku, sale_id, count)
-
-
-def shard_keys(sku: str, sale_id: int, count: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The hints and the locks of a `segmented` sale's shards, from what names the sale rather
-    than from its item: the sale writer builds them for the checkouts it locks shards for."""
-    prefix = settings.FLASHSALE_REDIS_PREFIX
-    return _rows(prefix, sku, sale_id, count, True), _shard_locks(prefix, sku, count)
-
-
 def claim(item: Item, idempotency_key: str) -> str:
     return sale_key(item, "claim", idempotency_key)
-
-
-def commits(item: Item) -> str:
-    return sale_key(item, "commits")
-
-
-def combiner(item: Item) -> str:
-    return sale_key(item, "combiner")
-
-
-def answer_prefix(item: Item) -> str:
-    return sale_key(item, "answer", "")
 
 
 def returned_marker(item: Item, order_pk: int) -> str:
@@ -151,11 +123,6 @@ def _rows(prefix: str, sku: str, sale_id: int | None, count: int, apart: bool) -
             for index in range(count)
         )
     return tuple(_in_sale(sku, sale_id, "row", index) for index in range(count))
-
-
-@lru_cache(maxsize=1024)
-def _sale_counters(prefix: str, sku: str, sale_id: int, count: int) -> tuple[str, tuple[str, ...]]:
-    return _in_sale(sku, sale_id, "turn"), _rows(prefix, sku, sale_id, count, False)
 
 
 @lru_cache(maxsize=1024)

@@ -12,14 +12,13 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 #: How a checkout was answered: accepted (201), or the API's error code; any other answer
-#: (an unexpected error, a body too large) is `error`. `handed_off`: given to the sale writer,
-#: which answers the client itself (what it answered is in its stats, `writer_stats`).
+#: (an unexpected error, a body too large) is `error`.
 OUTCOMES = (
     "accepted",
-    "handed_off",
     "sold_out",
     "limit_reached",
     "busy",
+    "outcome_unknown",
     "invalid",
     "unknown_sku",
     "not_on_sale",

@@ -240,11 +240,6 @@ class Order(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
-    #: Not a field: True on an instance whose order was already handed to the order workers by
-    #: whoever committed it (the sale writer publishes the orders of its batches), so that the
-    #: checkout does not publish it again.
-    handed_to_workers = False
-
     class Meta:
         ordering = ["-created_at", "-pk"]
         indexes = [

@@ -26,7 +26,7 @@ from django.db import connection, transaction
 from django.db.models import Q, Sum
 from django.utils import timezone
 
-from . import metrics, stock, writer
+from . import metrics, stock
 from .models import LIVE_STATUSES, Item, Order, OrderStatus, PaymentAttempt, StockShard
 from .publishing import GIVE_BACK_TASK, PROCESS_ORDER_TASK, OrderPublisher, hand_over, publish
 from .redis_client import REDIS_DOWN_ERRORS
@@ -48,8 +48,8 @@ def enqueue_order(order_pk: int) -> bool:
     return publish(PROCESS_ORDER_TASK, order_pk, what=f"order {order_pk}")
 
 
-#: This process's publisher: checkout's orders, relayed to the sale writer when one runs.
-publisher = OrderPublisher(relay=writer.OrderRelay())
+#: This process's publisher of checkout's orders.
+publisher = OrderPublisher()
 os.register_at_fork(after_in_child=publisher.forget_after_fork)
 
 

@@ -10,7 +10,6 @@ import atexit
 import logging
 import os
 import threading
-from typing import Protocol
 
 import redis
 from celery import current_app
@@ -50,20 +49,6 @@ def publish_orders(order_pks: list[int]) -> bool:
     return publish(SETTLE_ORDERS_TASK, order_pks, what=f"{len(order_pks)} orders")
 
 
-class OrderRelay(Protocol):
-    """Somewhere else to hand committed orders to, which publishes them (`writer.OrderRelay`)."""
-
-    #: The most orders one relay may carry.
-    most: int
-
-    def available(self) -> bool:
-        """Whether to relay at all (else the publisher publishes, at its own interval)."""
-
-    def __call__(self, order_pks: list[int]) -> bool:
-        """Hand the orders over; False when they were not taken (the publisher publishes
-        them itself)."""
-
-
 class OrderPublisher:
     """Publishes checkout's orders from a background thread, many orders per broker message.
 
@@ -72,35 +57,18 @@ class OrderPublisher:
     FLASHSALE_PUBLISH_INTERVAL_MS the thread sends what has gathered as one
     `settle_orders_task`, which a worker pays and confirms as one batch (`settle_orders`).
 
-    With a sale writer on this machine (FLASHSALE_SALE_WRITER), a web process's publisher
-    relays its orders to the writer instead (`writer.OrderRelay`, every RELAY_SHARE of the
-    interval), which publishes them with the orders of its own batches and of every other web
-    process: one message per interval for the machine rather than one per process, so that a
-    worker settles a strategy's orders in batches as large whether the writer wrote them (`lua`,
-    `segmented`) or a web process did (`lock`, `optimistic`, `unsafe`). What the writer does not
-    take (none listening, no answer) goes to the broker from here.
-
     Nothing is promised beyond the commit: an order whose key is lost with its process (killed
-    before the next flush, or the writer killed before its own), or refused by a broker that is
+    before the next flush), or refused by a broker that is
     down, stays pending in the database, which is the outbox, and the sweeper enqueues it again.
     """
 
     #: How long a process's exit waits for a send its thread has begun (a broker that answers
     #: takes milliseconds; one that does not, its connect timeout).
     EXIT_WAIT_SECONDS = 10.0
-    #: A publisher that relays to the sale writer flushes this often, as a share of
-    #: FLASHSALE_PUBLISH_INTERVAL_MS: a relay is one line on a local socket, and the writer
-    #: waits its own interval before it publishes.
-    RELAY_SHARE = 0.25
 
-    def __init__(self, *, background: bool = True, relay: OrderRelay | None = None) -> None:
+    def __init__(self, *, background: bool = True) -> None:
         #: False: no thread; whoever adds orders calls `flush`.
         self.background = background
-        #: Where to relay the orders instead of publishing them, while it is available (a web
-        #: process's: `writer.OrderRelay`); None: always publish them (the writer's own).
-        self.relay = relay
-        #: Orders relayed to the sale writer (the rest went to the broker from here).
-        self.relayed = 0
         self._lock = threading.Lock()
         #: Held for the whole of a flush: the one on the way out waits for the thread's.
         self._flushing = threading.Lock()
@@ -137,10 +105,7 @@ class OrderPublisher:
     def _run(self) -> None:
         wake = self._wake
         while not self._stopped:
-            interval = settings.FLASHSALE_PUBLISH_INTERVAL_MS / 1000
-            if self.relay is not None and self.relay.available():
-                interval *= self.RELAY_SHARE
-            wake.wait(interval)
+            wake.wait(settings.FLASHSALE_PUBLISH_INTERVAL_MS / 1000)
             wake.clear()
             try:
                 self.flush()
@@ -173,16 +138,11 @@ class OrderPublisher:
     def _send_pending(self) -> int:
         with self._lock:
             batch, self._pending = self._pending, []
-        relay = self.relay if self.relay is not None and self.relay.available() else None
         size = settings.FLASHSALE_PUBLISH_BATCH
-        if relay is not None:
-            size = min(size, relay.most)
         sent = 0
         for start in range(0, len(batch), size):
             chunk = batch[start : start + size]
-            if relay is not None and relay(chunk):
-                self.relayed += len(chunk)
-            elif not publish_orders(chunk):
+            if not publish_orders(chunk):
                 logger.warning("%s orders not enqueued: the sweeper will", len(batch) - sent)
                 break
             sent += len(chunk)

@@ -11,10 +11,19 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 
 from django.conf import settings
-from django.db import DEFAULT_DB_ALIAS, IntegrityError, connection, connections, transaction
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    IntegrityError,
+    InterfaceError,
+    OperationalError,
+    connection,
+    connections,
+    transaction,
+)
 from django.db.models import F
 
 from . import keys, stock
+from .deadline import checkout_deadline
 from .exceptions import (
     Busy,
     CheckoutError,
@@ -38,6 +47,9 @@ logger = logging.getLogger(__name__)
 checkout_strategy: ContextVar[str] = ContextVar("checkout_strategy", default="none")
 
 ALLOWANCE_LIMIT_CONSTRAINT = "allowance_within_limit"
+#: What a database that is down or restarting raises (and a connection it dropped): a checkout
+#: that meets one has sold nothing, and is answered `503 busy`.
+DATABASE_DOWN_ERRORS = (OperationalError, InterfaceError)
 
 
 @dataclass(frozen=True)
@@ -61,6 +73,19 @@ def place_order(
     or is refused (sold out, limit reached, busy) before it gets that far. Only then is the
     earlier order read, so a first checkout with a key costs what one without does.
     """
+    with checkout_deadline():
+        try:
+            return _place(sku=sku, qty=qty, buyer=buyer, idempotency_key=idempotency_key)
+        except DATABASE_DOWN_ERRORS as exc:
+            # Nothing was sold: a sale statement whose connection was lost has been looked up
+            # again before this (`stock.sell`, `stock.sell_batch`).
+            raise Busy(
+                f"{sku}: the database is not answering ({exc.__class__.__name__})",
+                retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+            ) from None
+
+
+def _place(*, sku: str, qty: int, buyer: str, idempotency_key: str | None) -> CheckoutResult:
     # Inside a caller's transaction a savepoint keeps it usable after a refused statement.
     inside = connections[DEFAULT_DB_ALIAS].in_atomic_block
     try:
@@ -71,9 +96,7 @@ def place_order(
         if replay is None:
             raise
         return CheckoutResult(order=replay, created=False)
-    if order.handed_to_workers:
-        pass  # its writer published it with the rest of its batch
-    elif inside:
+    if inside:
         transaction.on_commit(lambda: order_placed(order.pk))
     else:
         order_placed(order.pk)  # the order row is committed by now

@@ -22,10 +22,10 @@ import json
 import random
 import time
 import uuid
-import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from enum import StrEnum
 from functools import cache, cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +39,8 @@ from django.db.models.base import ModelState
 from django.db.models.signals import post_init, pre_init
 from django.utils import timezone
 
+from . import deadline
+from .exceptions import NotWritten, OutcomeUnknown
 from .models import BuyerAllowance, Item, Order, OrderStatus, StockShard, new_public_id
 
 if TYPE_CHECKING:
@@ -147,6 +149,8 @@ class HalfDone(Exception):
 HALF_DONE_SQLSTATE = "FS001"
 #: PostgreSQL's lock_not_available: a row-lock wait ran past lock_timeout.
 LOCK_NOT_AVAILABLE_SQLSTATE = "55P03"
+#: PostgreSQL's query_canceled: a statement ran past statement_timeout.
+QUERY_CANCELED_SQLSTATE = "57014"
 
 
 def sell(order: SaleRecorder, allocation: Allocation) -> Sold | None:
@@ -237,7 +241,7 @@ def prepare_sale(order: SaleRecorder, allocation: Allocation) -> PreparedSale:
         "set_stock": set_stock,
         "version": expected_version,
         "fence": fence,
-        "lock_timeout": f"{int(settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS)}ms",
+        "lock_timeout": None,  # when it runs: what is left of the checkout's deadline
     }
     for n, (index, taken) in enumerate(shards):
         params[f"si{n}"] = index
@@ -301,6 +305,9 @@ class PreparedSale:
             params["fence"], shape = fence, {**shape, "fenced": True}
         fenced_by = params["fence"]
         params["now"] = now = timezone.now()
+        params["lock_timeout"] = _row_lock_wait(item.sku)
+        database = self.cursor.db
+        backend = database.connection.info.backend_pid
         try:
             self.cursor.execute(_sale_sql(len(units or ()), **shape), params)
             row = self.cursor.fetchone()
@@ -308,9 +315,14 @@ class PreparedSale:
             sqlstate = getattr(exc.__cause__, "sqlstate", None)
             if sqlstate == HALF_DONE_SQLSTATE:
                 raise HalfDone(str(exc.__cause__)) from None
-            if sqlstate == LOCK_NOT_AVAILABLE_SQLSTATE:
+            if sqlstate in (LOCK_NOT_AVAILABLE_SQLSTATE, QUERY_CANCELED_SQLSTATE):
                 raise RowLockTimeout(str(exc.__cause__)) from None
-            raise
+            if connection_lost(database) and not database.in_atomic_block:
+                # Sent outside a transaction: it may have committed before the answer was lost.
+                placed = _resolve([str(self.public_id)], backend)
+                row = (placed[str(self.public_id)], None, item.current_sale_id, None)
+            else:
+                raise
         order_id, item_stock, current_sale = row[0], row[1], row[2]
         if order_id is None:
             if current_sale != item.current_sale_id:
@@ -336,36 +348,73 @@ class PreparedSale:
         )
 
 
-def sell_batch(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+class Outcome(StrEnum):
+    """What a batch did with one of its sales (`sell_batch`)."""
+
+    SOLD = "sold"
+    #: A stock row held fewer units than the sale takes.
+    SHORT = "short"
+    #: The item's sale was restarted since the checkout read it.
+    RESTARTED = "restarted"
+    #: The idempotency key is taken (by a twin that committed first).
+    DUPLICATE = "duplicate"
+    #: The buyer's allowance would pass the per-buyer limit.
+    LIMIT = "limit"
+    #: A lock holder's sale in a refused batch: written nowhere, its holder writes it alone.
+    AGAIN = "again"
+
+
+@dataclass(frozen=True)
+class Written:
+    """One sale's answer from `sell_batch`."""
+
+    outcome: Outcome
+    #: The order row's id (a sale `SOLD`), else None.
+    order_id: int | None
+    placed_at: datetime
+    #: A lock holder's sale `SOLD`: {index: (stock, version)} of its rows after the batch.
+    levels: dict[int, tuple[int, int]] | None = None
+
+
+def sell_batch(requests: list[dict[str, Any]]) -> list[Written]:
     """Write many checkouts' sales from stock rows in one statement and one commit (group
     commit); one answer per request, in order.
 
     Each request is what `SaleRecorder.request` builds plus `rows` ({index: units}). Each is
     its own sale with its own guards: a refusal writes nothing for that request and never
-    undoes the others. An answer is `{"o": outcome, "id": order id or None, "at": when the
-    orders were placed}`, the outcome one of sold, short, restarted, duplicate, limit. A lock
-    holder's request (`segmented`'s, through the writer) also has `fences` ({index: token}) and
-    `"levels": true`: its rows refuse a token older than one they have accepted, its `sold`
-    answer carries `levels` ({index: [stock, version]} after the batch), and when the batch is
-    refused it is answered `again`, written nowhere: its holder writes it itself. Must run
-    outside a transaction: it commits on return. Raises RowLockTimeout when a row stayed locked
-    by another transaction for FLASHSALE_ROW_LOCK_TIMEOUT_MS (then nothing of the batch is
-    written).
+    undoes the others. A lock holder's request (`segmented`'s) also has `fences` ({index:
+    token}) and `"levels": true`: its rows refuse a token older than one they have accepted, its
+    `SOLD` answer carries its rows' levels after the batch, and when the batch is refused it is
+    answered `AGAIN`, written nowhere: its holder writes it itself. Must run outside a
+    transaction: it commits on return. Raises RowLockTimeout when a row stayed locked by another
+    transaction past FLASHSALE_ROW_LOCK_TIMEOUT_MS or the checkout's deadline (then nothing of
+    the batch is written).
 
     The batch is first written whole by one set-based statement (`_BATCH_SQL`), which sells
     every request or none; only when one of them is refused is the batch written again a request
     at a time (`inventory_sell_batch`, migration 0006), to tell each its own answer. A refusal
     is rare where Redis decides who gets a unit, and the set-based statement costs PostgreSQL a
-    third to a half less per sale than a subtransaction per request. `BatchInFlight` sends the
-    same statement without waiting for it.
+    third to a half less per sale than a subtransaction per request.
+
+    When the connection is lost before the answer (the database restarted, the connection
+    killed), the commit may or may not have happened: the sales are looked up by their public
+    ids on a new connection (`_resolve`), and answered as found; NotWritten when none is,
+    OutcomeUnknown when the database does not answer.
     """
     at = timezone.now()
-    wait = _row_lock_wait()
+    sku = str(requests[0].get("sku", "the batch")) if requests else "the batch"
+    wait = _row_lock_wait(sku)
+    database = connections[DEFAULT_DB_ALIAS]
     try:
         with prepared_cursor() as cursor:
+            backend = database.connection.info.backend_pid
             cursor.execute(_BATCH_SQL, _batch_parameters(requests, at, wait))
             found = cursor.fetchall()
     except DatabaseError as exc:
+        if connection_lost(database):
+            # One statement commits all of its orders or none.
+            placed = _resolve([request["public_id"] for request in requests], backend)
+            return [Written(Outcome.SOLD, placed[request["public_id"]], at) for request in requests]
         answers = _after_refusal(
             getattr(exc.__cause__, "sqlstate", None), str(exc.__cause__), requests, at, wait
         )
@@ -376,43 +425,103 @@ def sell_batch(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return _sold(requests, placed, at, found[0][2] if found else None)
 
 
+def connection_lost(database: Any) -> bool:
+    """Whether the error just raised on `database` (a Django database wrapper) left its
+    connection unusable (lost, closed by the server): then a statement sent on it may have
+    committed or not, and only the database, asked again, knows."""
+    raw = database.connection
+    return raw is None or raw.closed or raw.broken
+
+
+#: How long a checkout whose connection was lost mid-statement keeps asking the database whether
+#: its sale committed (a restart, a failover), in seconds, before it answers that it cannot tell.
+RESOLVE_SECONDS = 30.0
+
+
+def _resolve(public_ids: list[str], backend_pid: int | None) -> dict[str, int]:
+    """The orders of a statement whose connection was lost, found once the backend that wrote
+    them is gone: {public id: order id} of those that exist (NotWritten when none does).
+
+    Asked on a new connection; the backend, if it still runs (the connection was cut, not the
+    server), is terminated first and waited for, so that nothing it had in flight can commit
+    after the answer. Raises OutcomeUnknown when the database does not answer within
+    RESOLVE_SECONDS."""
+    database = connections[DEFAULT_DB_ALIAS]
+    give_up = time.monotonic() + RESOLVE_SECONDS
+    pause = 0.05
+    while True:
+        database.close()
+        try:
+            with database.cursor() as cursor:
+                if backend_pid is not None:
+                    cursor.execute(
+                        "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity"
+                        " WHERE pid = %s",
+                        [backend_pid],
+                    )
+                cursor.execute(
+                    f"SELECT public_id::text, id FROM {_ORDER} WHERE public_id = ANY(%s::uuid[])",
+                    [public_ids],
+                )
+                found = dict(cursor.fetchall())
+            break
+        except DatabaseError:
+            if time.monotonic() >= give_up:
+                raise OutcomeUnknown(public_ids[0]) from None
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)
+    if not found:
+        raise NotWritten(
+            "the database connection was lost mid-statement, and the sale was not committed",
+            retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+        )
+    # PostgreSQL spells a uuid in lower case; a request may have spelt it otherwise.
+    return {
+        public_id: found[str(uuid.UUID(public_id))]
+        for public_id in public_ids
+        if str(uuid.UUID(public_id)) in found
+    }
+
+
 def _after_refusal(
     sqlstate: str | None,
     message: str,
     requests: list[dict[str, Any]],
     at: datetime,
     wait: str,
-    database: Any = None,
-) -> list[dict[str, Any]] | None:
+) -> list[Written] | None:
     """When the set-based statement failed with `sqlstate`: the batch written again a request
-    at a time (on `database`, the connection the statement ran on; the thread's default one
-    when None) if it was refused, RowLockTimeout if a row stayed locked, None for any other
+    at a time if it was refused, RowLockTimeout if a row stayed locked, None for any other
     error (the caller's to raise)."""
-    if sqlstate == LOCK_NOT_AVAILABLE_SQLSTATE:
+    if sqlstate in (LOCK_NOT_AVAILABLE_SQLSTATE, QUERY_CANCELED_SQLSTATE):
         raise RowLockTimeout(message)
     if sqlstate not in _REFUSED_SQLSTATES:
         return None
-    # A lock holder's request (fenced, answered its levels) is answered `again`: its holder
+    # A lock holder's request (fenced, answered its levels) is answered `AGAIN`: its holder
     # writes it on its own (`sell`), which tells a short row from a refused token.
     others = [request for request in requests if not request.get("levels")]
-    answers = iter(_sell_one_by_one(others, at, wait, database) if others else [])
-    return [{"o": "again"} if request.get("levels") else next(answers) for request in requests]
+    answers = iter(_sell_one_by_one(others, at, wait) if others else [])
+    return [
+        Written(Outcome.AGAIN, None, at) if request.get("levels") else next(answers)
+        for request in requests
+    ]
 
 
-def _row_lock_wait() -> str:
-    return f"{int(settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS)}ms"
+def _row_lock_wait(sku: str) -> str:
+    """How long a statement may wait for a row lock: FLASHSALE_ROW_LOCK_TIMEOUT_MS, or what is
+    left of the checkout's deadline if less (Busy when none is)."""
+    return f"{deadline.wait_ms(settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS, sku=sku)}ms"
 
 
 def _sold(
     requests: list[dict[str, Any]], placed: dict[str, int], at: datetime, levels: str | None
-) -> list[dict]:
+) -> list[Written]:
     """The answers of a batch the set-based statement sold whole (`placed`: order id by
     public id; `levels`: the rows it wrote, as JSON [[sale, index, stock, version], ...]).
     A request for a lock holder (`"levels": true`) is also answered its rows' levels and
-    versions after the batch, {index: [stock, version]}, for the holder's hints."""
-    stamp = at.isoformat()
+    versions after the batch, for the holder's hints."""
     rows = (
-        {(sale, index): [left, version] for sale, index, left, version in json.loads(levels)}
+        {(sale, index): (left, version) for sale, index, left, version in json.loads(levels)}
         if levels and any(request.get("levels") for request in requests)
         else {}
     )
@@ -420,37 +529,60 @@ def _sold(
     for request in requests:
         # PostgreSQL spells a uuid in lower case; a request may have spelt it otherwise.
         order_id = placed.get(request["public_id"]) or placed[str(uuid.UUID(request["public_id"]))]
-        answer = {"o": "sold", "id": order_id, "at": stamp}
-        if request.get("levels"):
-            answer["levels"] = {
-                index: rows[request["sale"], int(index)] for index in request["rows"]
-            }
-        answers.append(answer)
+        answers.append(
+            Written(
+                Outcome.SOLD,
+                order_id,
+                at,
+                {int(index): rows[request["sale"], int(index)] for index in request["rows"]}
+                if request.get("levels")
+                else None,
+            )
+        )
     return answers
 
 
-def _sell_one_by_one(
-    requests: list[dict[str, Any]], at: datetime, wait: str, database: Any = None
-) -> list[dict]:
+def _sell_one_by_one(requests: list[dict[str, Any]], at: datetime, wait: str) -> list[Written]:
     """The batch written a request at a time (`inventory_sell_batch`), each with its own
     answer: after the set-based statement refused it whole. Its locks are taken in the set-based
     statement's order: every stock row first, by (sale, index), then the requests by (sale,
     buyer), so that a batch in flight beside it never waits for it while it waits for that."""
     order = sorted(range(len(requests)), key=lambda i: (requests[i]["sale"], requests[i]["buyer"]))
     parameters = _batch_parameters([requests[i] for i in order], at, wait)
+    database = connections[DEFAULT_DB_ALIAS]
     try:
-        with prepared_cursor(database) as cursor:
+        with prepared_cursor() as cursor:
+            backend = database.connection.info.backend_pid
             cursor.execute(_ONE_BY_ONE_SQL, parameters)
             rows = cursor.fetchall()
     except DatabaseError as exc:
-        if getattr(exc.__cause__, "sqlstate", None) == LOCK_NOT_AVAILABLE_SQLSTATE:
+        if connection_lost(database):
+            return _resolve_each(requests, backend, at)
+        if getattr(exc.__cause__, "sqlstate", None) in (
+            LOCK_NOT_AVAILABLE_SQLSTATE,
+            QUERY_CANCELED_SQLSTATE,
+        ):
             raise RowLockTimeout(str(exc.__cause__)) from None
         raise
-    stamp = at.isoformat()
-    answers: list[dict] = [{}] * len(requests)
+    answers: list[Written] = [Written(Outcome.RESTARTED, None, at)] * len(requests)
     for n, order_id, outcome in rows:
-        answers[order[n - 1]] = {"o": outcome, "id": order_id, "at": stamp}
+        answers[order[n - 1]] = Written(Outcome(outcome), order_id, at)
     return answers
+
+
+def _resolve_each(
+    requests: list[dict[str, Any]], backend: int | None, at: datetime
+) -> list[Written]:
+    """`_sell_one_by_one`'s answers when its connection was lost: the orders found are sold;
+    the rest were refused for a reason the lost answer held, answered SHORT (the caller
+    rebuilds its counters from the database and tries again: nothing was written for them)."""
+    placed = _resolve([request["public_id"] for request in requests], backend)
+    return [
+        Written(Outcome.SOLD, placed[request["public_id"]], at)
+        if request["public_id"] in placed
+        else Written(Outcome.SHORT, None, at)
+        for request in requests
+    ]
 
 
 # `inventory_sell_batch` locks each request's rows as it writes it; the stock rows of the whole
@@ -600,124 +732,6 @@ WHERE inventory_all_or_nothing(
     (SELECT count(*) FROM taken)::integer + 1, cardinality(%(indexes)s::integer[]) + 1
 )
 """
-
-#: `_BATCH_SQL`'s parameters in the order `BatchInFlight` sends them ($1, $2, ...).
-_BATCH_PARAMETERS = (
-    "batch",
-    "at",
-    "wait",
-    "sales",
-    "indexes",
-    "items",
-    "units",
-    "fences",
-    "top_fences",
-)
-_BATCH_SQL_NUMBERED = _BATCH_SQL
-for _number, _name in enumerate(_BATCH_PARAMETERS, start=1):
-    _BATCH_SQL_NUMBERED = _BATCH_SQL_NUMBERED.replace(f"%({_name})s", f"${_number}")
-#: The name `BatchInFlight` prepares `_BATCH_SQL` under on a connection, and the connections
-#: it has prepared it on.
-_BATCH_STATEMENT = b"flashsale_sell_all"
-_prepared_on: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-class BatchInFlight:
-    """A batch's set-based sale statement (`sell_batch`'s), sent on the connection without
-    waiting for its answer, so that the caller can do other work (gather and take the next
-    batch) while PostgreSQL writes and commits this one.
-
-    `socket` becomes readable when the server answers; call `poll()` then, until it returns
-    True; then `answers()` gives what `sell_batch` would have returned (or raises what it
-    would have raised). Until then, the connection must carry nothing else. The statement runs
-    in an implicit transaction that commits when the server has processed the whole message,
-    so `poll()` returns True only once the server is ready for the next statement, after its
-    commit: a sale it answers `sold` is durable.
-
-    Raises DatabaseError (Django's) when the statement cannot be sent (the connection is
-    broken: nothing was written), and ValueError when the connection is inside a transaction
-    (the statement would not commit).
-    """
-
-    def __init__(self, requests: list[dict[str, Any]], database: Any = None) -> None:
-        self.requests = requests
-        self.at = timezone.now()
-        self._wait = _row_lock_wait()
-        self._results: list[psycopg.pq.abc.PGresult] = []
-        #: The connection (a Django database wrapper) it is sent on: the thread's default one
-        #: unless named.
-        self.database = wrapper = database or connections[DEFAULT_DB_ALIAS]
-        wrapper.close_if_health_check_failed()
-        wrapper.ensure_connection()
-        if wrapper.in_atomic_block:
-            raise ValueError("a batch in flight must be sent outside a transaction")
-        raw = wrapper.connection
-        self._pgconn = raw.pgconn
-        parameters = _batch_parameters(requests, self.at, self._wait)
-        values = [_text(parameters[name]) for name in _BATCH_PARAMETERS]
-        with wrapper.wrap_database_errors:
-            if self._pgconn.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-                raise ValueError("the connection is inside a transaction")
-            if raw.prepare_threshold is None:  # prepared statements turned off (a pooler)
-                self._pgconn.send_query_params(_BATCH_SQL_NUMBERED.encode(), values)
-            else:
-                if raw not in _prepared_on:  # a new connection: prepare it there first
-                    _check(self._pgconn.prepare(_BATCH_STATEMENT, _BATCH_SQL_NUMBERED.encode()))
-                    _prepared_on.add(raw)
-                self._pgconn.send_query_prepared(_BATCH_STATEMENT, values)
-        self.socket: int = self._pgconn.socket
-        #: The PostgreSQL backend writing it.
-        self.backend_pid: int = self._pgconn.backend_pid
-
-    def poll(self) -> bool:
-        """Read what the server has sent; True once the statement is over (committed, or
-        failed and rolled back). Never blocks. Raises DatabaseError when the connection
-        fails (the statement may or may not have committed)."""
-        with self.database.wrap_database_errors:
-            self._pgconn.consume_input()
-            while not self._pgconn.is_busy():
-                result = self._pgconn.get_result()
-                if result is None:
-                    return True
-                self._results.append(result)
-        return False
-
-    def answers(self) -> list[dict[str, Any]]:
-        """What `sell_batch` returns for the batch, once `poll()` said it is over: each sale
-        sold, or, when the batch was refused whole, each request written again on its own."""
-        failed = [r for r in self._results if r.status != psycopg.pq.ExecStatus.TUPLES_OK]
-        if not failed:
-            (result,) = self._results
-            placed = {
-                bytes(result.get_value(row, 0) or b"").decode(): int(result.get_value(row, 1) or 0)
-                for row in range(result.ntuples)
-            }
-            levels = result.get_value(0, 2) if result.ntuples else None
-            return _sold(self.requests, placed, self.at, bytes(levels).decode() if levels else None)
-        error = failed[0]
-        raw_state = error.error_field(psycopg.pq.DiagnosticField.SQLSTATE)
-        sqlstate = raw_state.decode() if raw_state else None
-        message = error.get_error_message()
-        answers = _after_refusal(
-            sqlstate, message, self.requests, self.at, self._wait, self.database
-        )
-        if answers is None:
-            raise DatabaseError(f"the batch statement failed ({sqlstate}): {message}")
-        return answers
-
-
-def _text(value: Any) -> bytes:
-    """A parameter in PostgreSQL's text form (what `BatchInFlight` sends)."""
-    if isinstance(value, list):
-        return ("{" + ",".join("NULL" if v is None else str(v) for v in value) + "}").encode()
-    if isinstance(value, datetime):
-        return value.isoformat().encode()
-    return str(value).encode()
-
-
-def _check(result: Any) -> None:
-    if result.status != psycopg.pq.ExecStatus.COMMAND_OK:
-        raise psycopg.OperationalError(result.get_error_message())
 
 
 @dataclass(frozen=True)

@@ -196,45 +196,9 @@ class StockCounter:
                 return merged
         if not takes:
             return []
-        # Takes from the same counters send them once (a batch of one sale's checkouts).
-        keys: list[str] = []
-        sizes: list[int] = []
-        group_of: dict[tuple[str, tuple[str, ...]], int] = {}
-        claim_keys: list[str] = []
-        per_take: list[int | str] = []
-        for take in takes:
-            counters = tuple(take.counters)
-            number = group_of.get((take.cursor, counters))
-            if number is None:
-                number = group_of[take.cursor, counters] = len(sizes) + 1
-                keys.append(take.cursor)
-                keys += counters
-                sizes.append(len(counters))
-            if take.claim is None:
-                per_take += [number, take.qty, "", ""]
-            else:
-                claim_keys.append(take.claim.key)
-                per_take += [number, take.qty, take.claim.ttl_ms, take.claim.token]
-        keys += claim_keys
-        args: list[int | str] = [len(sizes), *sizes, *per_take]
+        keys, args = take_spread_many_arguments(takes)
         reply = self._take_spread_many(keys=keys, args=args, client=self.redis)
-        results: list[dict[int, int] | None | Claim] = []
-        position = 0
-        for take in takes:
-            size = int(reply[position])
-            one = reply[position + 1 : position + 1 + size]
-            position += 1 + size
-            if one[0] == self.CLAIMED and take.claim is not None:
-                results.append(take.claim)
-            elif one[0] == self.MISSING:
-                results.append(None)
-            elif one[0] == self.INSUFFICIENT:
-                results.append({})
-            else:
-                if take.claim is not None:
-                    take.claim.held = True
-                results.append({int(one[i]): int(one[i + 1]) for i in range(0, size, 2)})
-        return results
+        return take_spread_many_results(takes, reply)
 
     def lock_first_holding(
         self,
@@ -446,3 +410,51 @@ def _stock_value(value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"stock must be a non-negative int, got {value!r}")
     return value
+
+
+def take_spread_many_arguments(takes: Sequence[Take]) -> tuple[list[str], list[int | str]]:
+    """KEYS and ARGV of `scripts.STOCK_TAKE_SPREAD_MANY` for these takes (all in one slot)."""
+    # Takes from the same counters send them once (a batch of one sale's checkouts).
+    keys: list[str] = []
+    sizes: list[int] = []
+    group_of: dict[tuple[str, tuple[str, ...]], int] = {}
+    claim_keys: list[str] = []
+    per_take: list[int | str] = []
+    for take in takes:
+        counters = tuple(take.counters)
+        number = group_of.get((take.cursor, counters))
+        if number is None:
+            number = group_of[take.cursor, counters] = len(sizes) + 1
+            keys.append(take.cursor)
+            keys += counters
+            sizes.append(len(counters))
+        if take.claim is None:
+            per_take += [number, take.qty, "", ""]
+        else:
+            claim_keys.append(take.claim.key)
+            per_take += [number, take.qty, take.claim.ttl_ms, take.claim.token]
+    keys += claim_keys
+    return keys, [len(sizes), *sizes, *per_take]
+
+
+def take_spread_many_results(
+    takes: Sequence[Take], reply: Sequence[Any]
+) -> list[dict[int, int] | None | Claim]:
+    """`StockCounter.take_spread_many`'s results from the script's reply."""
+    results: list[dict[int, int] | None | Claim] = []
+    position = 0
+    for take in takes:
+        size = int(reply[position])
+        one = reply[position + 1 : position + 1 + size]
+        position += 1 + size
+        if one[0] == StockCounter.CLAIMED and take.claim is not None:
+            results.append(take.claim)
+        elif one[0] == StockCounter.MISSING:
+            results.append(None)
+        elif one[0] == StockCounter.INSUFFICIENT:
+            results.append({})
+        else:
+            if take.claim is not None:
+                take.claim.held = True
+            results.append({int(one[i]): int(one[i + 1]) for i in range(0, size, 2)})
+    return results

@@ -16,10 +16,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-#: gunicorn's sync worker, which also lets a `lua` checkout hand its connection to the sale
-#: writer (`shop.handoff`); `--worker-class` (or GUNICORN_CMD_ARGS) chooses another.
-worker_class = "shop.handoff.HandOffWorker"
-
 _owned: Path | None = None
 raw_env: list[str] = []
 if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):

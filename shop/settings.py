@@ -227,69 +227,10 @@ FLASHSALE_STRIPES = env.int("FLASHSALE_STRIPES", default=10)
 for _rows in ("FLASHSALE_SHARDS", "FLASHSALE_STRIPES"):
     if not 1 <= globals()[_rows] <= 1000:
         raise ImproperlyConfigured(f"{_rows} must be from 1 to 1000, not {globals()[_rows]}")
-# `lua` group commit: sales queued in Redis, written by one buyer for all in one commit (off:
-# one commit per sale, which is faster on 2 cores; see docs/design.md).
-FLASHSALE_GROUP_COMMIT = env.bool("FLASHSALE_GROUP_COMMIT", default=False)
-FLASHSALE_GROUP_COMMIT_BATCH = env.int("FLASHSALE_GROUP_COMMIT_BATCH", default=100)
-# `lua` and `segmented` through the sale writer (`manage.py sale writer`): the unix socket it
-# listens on; empty: every web process takes and writes its own sales.
-FLASHSALE_SALE_WRITER = env.str("FLASHSALE_SALE_WRITER", default="")
-# How long the writer waits for company for a `lua` request (microseconds; 0: never waits):
-# with a batch's statement in flight, for the buyers its last answer reached to send again
-# before it takes the ones back; with none, for a second request beside a lone one. Buyers
-# answered together stay together, and over HTTP the next checkout is a millisecond or two away:
-# fewer, fuller batches, each paying one statement.
-FLASHSALE_SALE_WRITER_LINGER_US = env.int("FLASHSALE_SALE_WRITER_LINGER_US", default=4000)
-# The same wait when a lock holder's sale (`segmented`) is among the requests: its shard stays
-# locked while it waits.
-FLASHSALE_SALE_WRITER_HOLDER_LINGER_US = env.int(
-    "FLASHSALE_SALE_WRITER_HOLDER_LINGER_US", default=1000
-)
-for _wait in ("FLASHSALE_SALE_WRITER_LINGER_US", "FLASHSALE_SALE_WRITER_HOLDER_LINGER_US"):
-    if not 0 <= globals()[_wait] <= 100_000:
-        raise ImproperlyConfigured(
-            f"{_wait} must be from 0 to 100000 (0.1 s), not {globals()[_wait]}"
-        )
-# How many `lua` checkouts handed off by the web processes (with their clients' connections)
-# the sale writer takes at once when no statement is in flight; fewer wait for company, at most
-# the linger from the first. Handed-off buyers never come back as a group, so a batch is what
-# arrived meanwhile, and each batch pays a script and a statement: 2 takes them as they come,
-# two or three a batch over HTTP on two cores.
-FLASHSALE_SALE_WRITER_COMPANY = env.int("FLASHSALE_SALE_WRITER_COMPANY", default=6)
-if not 2 <= FLASHSALE_SALE_WRITER_COMPANY <= 1000:
-    raise ImproperlyConfigured(
-        f"FLASHSALE_SALE_WRITER_COMPANY must be from 2 to 1000, not {FLASHSALE_SALE_WRITER_COMPANY}"
-    )
-# How long (milliseconds) units the sale writer took ahead for a sale's next `lua` requests may
-# wait for them before they go back to Redis; 0: it takes nothing ahead. Right after it answers
-# a batch, the writer takes as many units as that batch sold for the requests its buyers are
-# about to send, so that their take costs no round trip to Redis on the path they wait on.
-FLASHSALE_SALE_WRITER_AHEAD_MS = env.int("FLASHSALE_SALE_WRITER_AHEAD_MS", default=50)
-if not 0 <= FLASHSALE_SALE_WRITER_AHEAD_MS <= 1000:
-    raise ImproperlyConfigured(
-        "FLASHSALE_SALE_WRITER_AHEAD_MS must be from 0 to 1000 (1 s), not "
-        f"{FLASHSALE_SALE_WRITER_AHEAD_MS}"
-    )
-# How many statements the sale writer may keep in flight at once, each on a database connection
-# of its own: while one batch is written and committed, the next is sent on another instead of
-# waiting for it. One here, where PostgreSQL is on the same host and a second sold no faster;
-# more where each statement's round trip is long (a database across a network). Batches take
-# their locks in one order, so two in flight never deadlock.
-FLASHSALE_SALE_WRITER_CONNECTIONS = env.int("FLASHSALE_SALE_WRITER_CONNECTIONS", default=1)
-if not 1 <= FLASHSALE_SALE_WRITER_CONNECTIONS <= 8:
-    raise ImproperlyConfigured(
-        "FLASHSALE_SALE_WRITER_CONNECTIONS must be from 1 to 8, not "
-        f"{FLASHSALE_SALE_WRITER_CONNECTIONS}"
-    )
-# The niceness the sale writer runs at (-20 to 19; lower runs first): every `lua` and `segmented`
-# sale waits on its one thread, and on 2 cores a woken writer otherwise queues behind web
-# workers for a CPU. Lowering it needs root, CAP_SYS_NICE or an RLIMIT_NICE of 20 - it (compose
-# sets 30); without them the writer warns and runs as it is.
-FLASHSALE_SALE_WRITER_NICE = env.int("FLASHSALE_SALE_WRITER_NICE", default=-10)
-if not -20 <= FLASHSALE_SALE_WRITER_NICE <= 19:
-    raise ImproperlyConfigured(
-        f"FLASHSALE_SALE_WRITER_NICE must be from -20 to 19, not {FLASHSALE_SALE_WRITER_NICE}"
-    )
+# Group commit inside each web process (`inventory.batching`): the `lua` checkouts in flight in
+# one process are taken by one script and written by one statement. Off: one script and one
+# statement per checkout. (Measured against the other server designs: docs/decisions.)
+FLASHSALE_BATCH_WRITES = env.bool("FLASHSALE_BATCH_WRITES", default=True)
 # How long a checkout may use an item read by an earlier one (strategies that allow it).
 FLASHSALE_ITEM_MEMORY_MS = env.int("FLASHSALE_ITEM_MEMORY_MS", default=1000)
 # How long GET /api/items/<sku> may answer with what this process read for it a moment ago
@@ -299,8 +240,15 @@ if not 0 <= FLASHSALE_ITEM_PAGE_MS <= 60_000:
     raise ImproperlyConfigured(
         f"FLASHSALE_ITEM_PAGE_MS must be from 0 to 60000 (a minute), not {FLASHSALE_ITEM_PAGE_MS}"
     )
-# How long a buyer waits for its batch's answer before it is told `busy`.
-FLASHSALE_GROUP_COMMIT_WAIT_MS = env.int("FLASHSALE_GROUP_COMMIT_WAIT_MS", default=3000)
+# How long a checkout may take (milliseconds): past it the buyer is answered `503 busy` and no
+# sale of that checkout commits afterwards (a lock or row-lock wait is cut short, a statement
+# still waiting is cancelled, units taken are given back).
+FLASHSALE_CHECKOUT_DEADLINE_MS = env.int("FLASHSALE_CHECKOUT_DEADLINE_MS", default=3000)
+if not 100 <= FLASHSALE_CHECKOUT_DEADLINE_MS <= 60_000:
+    raise ImproperlyConfigured(
+        "FLASHSALE_CHECKOUT_DEADLINE_MS must be from 100 to 60000 (a minute), not "
+        f"{FLASHSALE_CHECKOUT_DEADLINE_MS}"
+    )
 FLASHSALE_MAX_QTY = env.int("FLASHSALE_MAX_QTY", default=100)
 # Lock: time to live, how long a buyer waits for it, and whether a watchdog renews it.
 FLASHSALE_LOCK_TTL_MS = env.int("FLASHSALE_LOCK_TTL_MS", default=5000)

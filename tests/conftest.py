@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import os
-import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
 from urllib.parse import quote
 
 import pytest
@@ -67,8 +63,7 @@ def _no_remembered_item_pages() -> None:
 @pytest.fixture(autouse=True)
 def _breakers_closed() -> Iterator[None]:
     """Each test starts with this process's breakers closed: a failure an earlier test made
-    (a sale writer in a thread of this process shares them) would send its checkouts to the
-    fallback."""
+    would send its checkouts to the fallback."""
     from inventory.breaker import breaker, broker_breaker
 
     breaker.reset()
@@ -179,35 +174,3 @@ def answers_ok(url: str) -> bool:
         return requests.get(url, timeout=2).status_code == 200
     except requests.RequestException:
         return False
-
-
-def _socket_path() -> str:
-    return os.path.join(tempfile.gettempdir(), f"flashsale-test-writer-{uuid.uuid4().hex}.sock")
-
-
-@contextmanager
-def writer_in_thread(path: str | None = None) -> Iterator[Any]:
-    """A sale writer serving `path` (default: a new socket) in a thread of the test process,
-    stopped and joined afterwards."""
-    from inventory.api import answer_checkout
-    from inventory.writer import SaleWriter
-
-    writer = SaleWriter(path or _socket_path(), answer=answer_checkout)
-    ready = threading.Event()
-    thread = threading.Thread(target=writer.serve_forever, kwargs={"ready": ready.set})
-    thread.start()
-    try:
-        assert ready.wait(10)
-        yield writer
-    finally:
-        writer.stop()
-        thread.join(10)
-    assert not thread.is_alive()
-
-
-@pytest.fixture(name="writer_in_thread")
-def writer_in_thread_fixture(settings):
-    """A sale writer in a thread of the test process; its checkouts send their sales there."""
-    with writer_in_thread() as writer:
-        settings.FLASHSALE_SALE_WRITER = writer.path
-        yield writer

@@ -6,15 +6,11 @@ tried in turn, so concurrent buyers land on different rows; the database write t
 decrements that row only, guarded by `stock >= units`. No database row is written by every
 buyer: lua pays for Redis and its own row, not for a queue on the item row.
 
-Group commit (FLASHSALE_GROUP_COMMIT, off by default): the same script also queues the sale in
-Redis, and whichever buyer finds the combiner lock free writes the queued sales of all web
-processes in one statement and one commit (`inventory.stock.sell_batch`), then answers each
-buyer; the others wait for their answer, which comes only once their order row is committed.
-So a buyer costs one script and one wait in Redis, and the database one commit per batch
-rather than per sale. Each sale in a batch keeps its own guards (stock row, per-buyer limit,
-idempotency key). Once a sale is queued it may be written: from then on a Redis failure is
-answered `busy` (a retry with the same idempotency key finds the order), never handed to the
-fallback, which could sell the buyer a second unit.
+Group commit (FLASHSALE_BATCH_WRITES): the checkouts in flight in one web process are taken and
+written together (`inventory.batching`): one script takes every checkout's units
+(`StockCounter.take_spread_many`), one statement writes every sale that got units and commits
+(`inventory.stock.sell_batch`), each sale with its own guards. A lone checkout is a batch of
+one. Off, each checkout runs its own script and its own statement.
 
 If the database refuses, a counter was too high (it was rebuilt while other processes still
 sold through the fallback): the counters are set from the database and the take is tried once
@@ -25,22 +21,24 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TypeVar
 
 from django.conf import settings
 from django.db import IntegrityError, connection
-from redis.exceptions import ConnectionError as RedisConnectionError
 
 from locking import Claim, KeyClaimed
-from locking.combining import GroupCommit, Queued
+from locking.counter import Take
 
-from .. import keys, stock, writer
+from .. import deadline, keys, stock
+from ..batching import Batcher, Expired
 from ..breaker import breaker
-from ..exceptions import Busy, LimitReached, SoldOut
+from ..exceptions import Busy, LimitReached, OutcomeUnknown, SoldOut
 from ..models import Item, Order
 from ..redis_client import REDIS_DOWN_ERRORS, get_redis_client
-from ..stock import HalfDone, Sold, back_off, plan_rows, shard_stocks, simulate_work
+from ..stock import HalfDone, Outcome, Sold, back_off, plan_rows, shard_stocks, simulate_work
 from . import plumbing
 from .base import Allocation, RecordOrder, StockStrategy
 from .plumbing import add_to_rows
@@ -51,15 +49,6 @@ logger = logging.getLogger(__name__)
 ATTEMPTS = 2
 
 T = TypeVar("T")
-
-
-def _write_batch(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`stock.sell_batch`, answering `locked` to every request when a row stayed locked (the
-    batch then wrote nothing: its takers give their units back)."""
-    try:
-        return stock.sell_batch(requests)
-    except stock.RowLockTimeout:
-        return [{"o": "locked"}] * len(requests)
 
 
 def _claim(item: Item, record: RecordOrder) -> Claim | None:
@@ -75,17 +64,6 @@ def _claim(item: Item, record: RecordOrder) -> Claim | None:
     )
 
 
-_writer_warned: set[str] = set()
-
-
-def _writer_unavailable(exc: Exception) -> None:
-    """The configured sale writer cannot be reached: checkouts go the direct way meanwhile."""
-    message = str(exc)
-    if message not in _writer_warned:
-        _writer_warned.add(message)
-        logger.warning("%s; selling the direct way until it is back", message)
-
-
 def _release(claim: Claim) -> None:
     try:
         plumbing.counter().release_claim(claim)
@@ -94,19 +72,19 @@ def _release(claim: Claim) -> None:
 
 
 def _taken(item: Item, take: Callable[[], T | None]) -> T:
-    """What `take` took (units, or a queued sale; empty when sold out). Seeds the counters
+    """What `take` took (units, or a batch's answer; empty when sold out). Seeds the counters
     once when Redis lost them, and waits while a twin checkout holds the idempotency claim
     (at most the claim's lifetime, then Busy)."""
     seeded = False
-    deadline = None
+    give_up = None
     pause = 0.001
     while True:
         try:
             taken = take()
         except KeyClaimed as exc:
             now = time.monotonic()
-            deadline = deadline or now + exc.claim.ttl_ms / 1000
-            if now >= deadline:
+            give_up = give_up or now + exc.claim.ttl_ms / 1000
+            if now >= min(give_up, deadline.current()):
                 raise Busy(
                     f"{item.sku}: a checkout with the same idempotency key is still in flight",
                     retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
@@ -121,6 +99,132 @@ def _taken(item: Item, take: Callable[[], T | None]) -> T:
         # Redis restarted empty or was never warmed: seed it from the database, once.
         LuaStrategy._seed(item)
         seeded = True
+
+
+# -- group commit ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class _Checkout:
+    """One checkout handed to the batch: what to take, and how to record it."""
+
+    item: Item
+    qty: int
+    record: RecordOrder
+    claim: Claim | None
+    deadline: float
+
+
+class _Took(StrEnum):
+    """What the batch's script did for a checkout that it did not get to write."""
+
+    SOLD_OUT = "sold_out"
+    #: A counter does not exist (Redis lost them): nothing taken.
+    MISSING = "missing"
+    #: A twin checkout holds the idempotency key's claim: nothing taken.
+    CLAIMED = "claimed"
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """A checkout's answer from its batch: the units taken per stock row, and either what the
+    script did (`took`) or what the statement did with them (`written`, and the sale)."""
+
+    taken: dict[int, int]
+    took: _Took | None = None
+    written: Outcome | None = None
+    sold: Sold | None = None
+
+
+def _take_and_write(checkouts: Sequence[_Checkout]) -> list[_Answer | BaseException]:
+    """One batch: every checkout's units in one script, every sale that got units in one
+    statement and one commit. A Redis failure in the script is every checkout's answer (nothing
+    was written: each goes to the fallback); a checkout whose deadline passed meanwhile is
+    answered Busy, its units given back."""
+    try:
+        results = plumbing.counter().take_spread_many(
+            [
+                Take(
+                    keys.turn(checkout.item), keys.rows(checkout.item), checkout.qty, checkout.claim
+                )
+                for checkout in checkouts
+            ]
+        )
+    except REDIS_DOWN_ERRORS as exc:
+        return [exc] * len(checkouts)
+    answers: list[_Answer | BaseException] = []
+    writes: list[tuple[int, _Checkout, dict[int, int]]] = []
+    now = time.monotonic()
+    for checkout, result in zip(checkouts, results, strict=True):
+        if isinstance(result, Claim):
+            answers.append(_Answer({}, took=_Took.CLAIMED))
+        elif result is None:
+            answers.append(_Answer({}, took=_Took.MISSING))
+        elif not result:
+            answers.append(_Answer({}, took=_Took.SOLD_OUT))
+        elif checkout.deadline <= now:
+            _give_back(checkout.item, result)
+            answers.append(deadline.passed(checkout.item.sku))
+        else:
+            writes.append((len(answers), checkout, result))
+            answers.append(_Answer(result))
+    if not writes:
+        return answers
+    sales = [
+        {**checkout.record.request(served_by=LuaStrategy.name), "rows": plan}
+        for _, checkout, plan in writes
+    ]
+    try:
+        simulate_work()
+        with deadline.bounded_by(min(checkout.deadline for _, checkout, _ in writes)):
+            written = stock.sell_batch(sales)
+    except BaseException as error:
+        # Nothing committed (a refusal, a timeout, a lost connection the database says wrote
+        # nothing), except when it cannot tell (OutcomeUnknown): then the units stay taken.
+        unknown = isinstance(error, OutcomeUnknown)
+        for (n, checkout, plan), sale in zip(writes, sales, strict=True):
+            if unknown:
+                answers[n] = OutcomeUnknown(sale["public_id"])
+            else:
+                _give_back(checkout.item, plan)
+                answers[n] = _unwritten(error)
+        return answers
+    for (n, checkout, plan), sale, answer in zip(writes, sales, written, strict=True):
+        sold = None
+        if answer.outcome is Outcome.SOLD:
+            assert answer.order_id is not None
+            sold = checkout.record.sold(
+                order_id=answer.order_id,
+                public_id=sale["public_id"],
+                served_by=LuaStrategy.name,
+                shard_units=plan,
+                placed_at=answer.placed_at,
+            )
+        answers[n] = _Answer(plan, written=answer.outcome, sold=sold)
+    return answers
+
+
+def _unwritten(error: BaseException) -> BaseException:
+    """What a checkout whose batch's statement failed is answered: Busy for a row that stayed
+    locked; the error itself otherwise."""
+    if isinstance(error, stock.RowLockTimeout):
+        return Busy(
+            f"the sale was not written ({error})", retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER
+        )
+    return error
+
+
+_batcher: Batcher[_Checkout, _Answer] = Batcher(_take_and_write)
+
+
+def _give_back(item: Item, plan: dict[int, int]) -> None:
+    try:
+        plumbing.counter().give_back_many({keys.row(item, i): u for i, u in plan.items()})
+    except REDIS_DOWN_ERRORS as exc:
+        breaker.record_failure(exc)
+        # The counters are now low; rebuilding them from the database when Redis is
+        # reachable again restores them.
+        logger.warning("could not give %s units of %s back: Redis is down", plan, item.sku)
 
 
 class LuaStrategy(StockStrategy):
@@ -138,15 +242,8 @@ class LuaStrategy(StockStrategy):
         claim = _claim(item, record)
         try:
             # Inside a caller's transaction a batch would not commit before the answer.
-            if not connection.in_atomic_block:
-                sale_writer = writer.client()
-                if sale_writer is not None:
-                    try:
-                        return self._take_written(item, qty, record, claim, sale_writer)
-                    except writer.WriterUnavailable as exc:
-                        _writer_unavailable(exc)
-                if settings.FLASHSALE_GROUP_COMMIT:
-                    return self._take_grouped(item, qty, record, claim)
+            if settings.FLASHSALE_BATCH_WRITES and not connection.in_atomic_block:
+                return self._take_batched(item, qty, record, claim)
             return self._take(item, qty, record, claim)
         finally:
             if claim is not None:
@@ -167,122 +264,38 @@ class LuaStrategy(StockStrategy):
             self._resync(item)
         return self._refused(item, qty, record)
 
-    def _take_grouped(
+    def _take_batched(
         self, item: Item, qty: int, record: RecordOrder, claim: Claim | None
     ) -> Order:
-        group = plumbing.group_commit(item)
-        counters = keys.rows(item)
-        cursor = keys.turn(item)
-        request = record.request(served_by=self.name)
-        for _ in range(ATTEMPTS):
-            queued = _taken(
-                item,
-                lambda: group.take_and_enqueue(
-                    cursor=cursor, counters=counters, qty=qty, request=request, claim=claim
-                ),
-            )
-            if not isinstance(queued, Queued):
-                raise SoldOut(sku=item.sku, requested=qty)
-            answer = self._settle(item, group, queued)
-            outcome = answer["o"]
-            if outcome == "sold":
-                return plumbing.committed_order(record, request, answer, queued.taken, self.name)
-            if outcome == "short":
-                self._resync(item)  # Redis granted units the database does not hold
-                continue
-            self._refuse(item, queued.taken, outcome)
-        return self._refused(item, qty, record)
+        checkout = _Checkout(item, qty, record, claim, deadline.current())
 
-    def _take_written(
-        self,
-        item: Item,
-        qty: int,
-        record: RecordOrder,
-        claim: Claim | None,
-        sale_writer: writer.WriterClient,
-    ) -> Order:
-        request = writer.sale_request(
-            sku=item.sku,
-            cursor=keys.turn(item),
-            rows=item.shard_count,
-            qty=qty,
-            claim=claim,
-            sale=record.request(served_by=self.name),
-        )
-
-        if claim is None and writer.may_hand_off():
-            # The writer answers the client (`shop.handoff`): nothing to wait for here.
-            raise writer.HandedOff(request)
-
-        def ask() -> dict[str, Any] | None:
-            answer = plumbing.ask_writer(sale_writer, request, item.sku)
-            outcome = answer["o"]
-            if outcome == "claimed" and claim is not None:
+        def ask() -> _Answer | None:
+            try:
+                answer = _batcher.submit(checkout, deadline=checkout.deadline)
+            except Expired:
+                raise deadline.passed(item.sku) from None
+            if answer.took is _Took.CLAIMED and claim is not None:
                 raise KeyClaimed(claim)
-            if outcome == "missing":
+            if answer.took is _Took.MISSING:
                 return None
-            if outcome == "redis_down":  # nothing written, nothing will be: fall back
-                raise RedisConnectionError(f"the sale writer's Redis: {answer.get('e')}")
-            if outcome == "sold_out":
-                return {}
-            if outcome in ("invalid", "error"):
-                raise RuntimeError(f"the sale writer refused the request: {answer.get('e')}")
-            if claim is not None:
-                claim.held = True  # the take set it
             return answer
 
         for _ in range(ATTEMPTS):
             answer = _taken(item, ask)
-            if not answer:
+            if answer.took is _Took.SOLD_OUT:
                 raise SoldOut(sku=item.sku, requested=qty)
-            taken = {int(index): units for index, units in answer["rows"].items()}
-            outcome = answer["o"]
-            if outcome == "sold":
-                return plumbing.committed_order(record, request["sale"], answer, taken, self.name)
-            if outcome == "short":
+            if answer.sold is not None:
+                return answer.sold.order
+            if answer.written is Outcome.SHORT:
                 self._resync(item)  # Redis granted units the database does not hold
                 continue
-            self._refuse(item, taken, outcome)
+            _give_back(item, answer.taken)
+            if answer.written is Outcome.DUPLICATE:
+                raise IntegrityError("idempotency key already used")  # replayed by the caller
+            if answer.written is Outcome.LIMIT:
+                raise LimitReached(sku=item.sku, limit=item.per_buyer_limit or 0)
+            raise stock.SaleRestarted(f"{item.sku}: sale {item.current_sale_id} is over")
         return self._refused(item, qty, record)
-
-    def _refuse(self, item: Item, taken: dict[int, int], outcome: str) -> None:
-        """A batch's refusal of a sale it wrote nothing for: the units go back, and the
-        refusal is raised as a direct checkout would raise it."""
-        self._give_back(item, taken)
-        if outcome == "duplicate":
-            raise IntegrityError("idempotency key already used")  # replayed by the caller
-        if outcome == "limit":
-            raise LimitReached(sku=item.sku, limit=item.per_buyer_limit or 0)
-        if outcome == "locked":
-            raise stock.RowLockTimeout(f"{item.sku}: a stock row stayed locked")
-        raise stock.SaleRestarted(f"{item.sku}: sale {item.current_sale_id} is over")
-
-    def _settle(self, item: Item, group: GroupCommit, queued: Queued) -> dict[str, Any]:
-        """The batch's answer to our queued sale; Busy when none can be had."""
-        wait = settings.FLASHSALE_GROUP_COMMIT_WAIT_MS / 1000
-        try:
-            answer = group.settle(queued, _write_batch, wait)
-            if answer is None:
-                if group.withdraw(queued):  # no combiner took it: it will never be written
-                    self._give_back(item, queued.taken)
-                    raise Busy(
-                        f"{item.sku}: no batch took the sale in time",
-                        retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
-                    )
-                answer = group.answer_for(queued, wait)
-        except REDIS_DOWN_ERRORS as exc:
-            breaker.record_failure(exc)
-            raise Busy(
-                f"{item.sku}: Redis failed after the sale was queued ({exc.__class__.__name__})",
-                retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
-            ) from None
-        if answer is None or answer["o"] == "failed":
-            # Taken by a batch that did not answer or failed: it may be committed or not.
-            raise Busy(
-                f"{item.sku}: the batch holding the sale did not answer",
-                retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
-            )
-        return answer
 
     def _refused(self, item: Item, qty: int, record: RecordOrder) -> Order:
         """Redis granted units the database refused, twice: its counters lag the database
@@ -313,8 +326,10 @@ class LuaStrategy(StockStrategy):
             return record(Allocation(strategy=self.name, shard_units=plan))
         except HalfDone:
             return None  # refused part way: nothing written, the counters get resynced
+        except OutcomeUnknown:
+            raise  # it may be sold: the units stay taken (the reconciler decides)
         except BaseException:
-            self._give_back(item, plan)
+            _give_back(item, plan)
             raise
 
     @staticmethod
@@ -333,15 +348,6 @@ class LuaStrategy(StockStrategy):
         except REDIS_DOWN_ERRORS as exc:
             breaker.record_failure(exc)
             logger.warning("could not resync %s from the database: Redis is down", item.sku)
-
-    def _give_back(self, item: Item, plan: dict[int, int]) -> None:
-        try:
-            plumbing.counter().give_back_many({keys.row(item, i): u for i, u in plan.items()})
-        except REDIS_DOWN_ERRORS as exc:
-            breaker.record_failure(exc)
-            # The counters are now low; rebuilding them from the database when Redis is
-            # reachable again restores them.
-            logger.warning("could not give %s units of %s back: Redis is down", plan, item.sku)
 
     def sync_redis(self, *, item: Item, force: bool = False) -> None:
         plumbing.sync_rows(item)

@@ -20,9 +20,8 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
-from datetime import datetime
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.conf import settings
 from django.utils.module_loading import import_string
@@ -30,18 +29,14 @@ from django.utils.module_loading import import_string
 from locking import Lock, LockNotOwnedError, QuorumLock, StockCounter
 from locking import lock as lock_module
 from locking.cluster import by_slot, is_cluster
-from locking.combining import GroupCommit
 
-from .. import keys, metrics, writer
+from .. import deadline, keys, metrics
 from ..breaker import breaker, remember_unsettled
-from ..exceptions import Busy, LockLost
+from ..exceptions import LockLost
 from ..fences import next_fence
 from ..models import Item, Order
 from ..redis_client import REDIS_DOWN_ERRORS, get_lock_clients, get_redis_client
 from ..stock import StockRow, shard_rows, shard_stocks
-
-if TYPE_CHECKING:
-    from .base import RecordOrder
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +134,13 @@ lock_wait_seconds: ContextVar[float] = ContextVar("lock_wait_seconds", default=0
 
 def acquire_lock(lock: Lock, **options: Any) -> bool:
     """`lock.acquire(**options)`, remembering the token if Redis fails mid-way."""
+    if options.get("blocking", True):
+        # No wait outlasts the checkout's deadline.
+        bound = options.get("blocking_timeout", settings.FLASHSALE_LOCK_WAIT_MS / 1000)
+        left = deadline.seconds_left()
+        if left <= 0:
+            raise deadline.passed(lock.name)
+        options["blocking_timeout"] = min(bound, left)
     token = uuid.uuid4().hex.encode()
     started = time.perf_counter()
     try:
@@ -177,13 +179,6 @@ def release_quietly(lock: Lock, *, after: tuple[str, list[Any], list[Any]] | Non
         logger.warning("could not release %s: Redis is down; released on recovery", lock.name)
 
 
-def released_by_writer(lock: Lock) -> None:
-    """The sale writer released `lock` with its token after committing the sale made under it
-    (`writer_releases`): forget it here, with no call to Redis."""
-    _record_hold(lock)
-    lock.released_elsewhere()
-
-
 def _record_hold(lock: Lock) -> None:
     held_since = _held_since.pop(lock, None)
     if held_since is not None:
@@ -202,18 +197,6 @@ def counter() -> StockCounter:
 def _counter(client: object) -> StockCounter:
     # One per client: building one registers its scripts.
     return StockCounter(client)
-
-
-def group_commit(item: Item) -> GroupCommit:
-    """The queue and combiner lock through which `lua` writes item's sales in batches."""
-    return GroupCommit(
-        get_redis_client(),
-        queue=keys.commits(item),
-        lock=keys.combiner(item),
-        reply_prefix=keys.answer_prefix(item),
-        lock_ttl_ms=settings.FLASHSALE_LOCK_TTL_MS,
-        batch=settings.FLASHSALE_GROUP_COMMIT_BATCH,
-    )
 
 
 def write_rows(item: Item, levels: dict[int, int]) -> list[int]:
@@ -268,25 +251,10 @@ def release_with_hints(item: Item, locks: dict[int, Lock], rows: dict[int, Stock
         release_quietly(lock, after=paired.get(index))
 
 
-def writer_releases(item: Item, locks: dict[int, Lock]) -> dict[int, list[str]]:
-    """What a shard holder asks the sale writer to release once its sale is committed, by shard
-    index: the lock's name, the holder's token and the shard's hint, which the writer copies
-    the row's level to in the same call (as `release_with_hints` does). Only locks of ours held
-    once (a peer's lock, in the benchmark, releases its own way), and not on a Redis Cluster,
-    where the writer's one round trip would span slots."""
-    if is_cluster(get_redis_client()):
-        return {}
-    return {
-        index: [lock.name, lock.local.token.decode(), keys.row(item, index)]
-        for index, lock in locks.items()
-        if type(lock) is Lock and not lock.reentrant and lock.local.token is not None
-    }
-
-
-def writer_may_lock() -> bool:
-    """Whether the sale writer may lock a `segmented` checkout's shard for it
-    (`writer.lock_request`): with our own lock, whose keys its script takes and releases, and
-    not on a Redis Cluster, where its one round trip would span slots."""
+def own_locks_on_one_redis() -> bool:
+    """Whether the shop's locks are its own (`locking.Lock`, whose keys a script of the
+    caller's may take and release) on one Redis, not a cluster, where one round trip over many
+    locks would span slots: what a batch of shard holders needs."""
     return _lock_factory(settings.FLASHSALE_LOCK_FACTORY) is Lock and not is_cluster(
         get_redis_client()
     )
@@ -327,44 +295,3 @@ def rows_total(item: Item) -> int | None:
     levels = counter().get_many(keys.rows(item))
     held = [level for level in levels if level is not None]
     return sum(held) if len(held) == len(levels) else None
-
-
-def ask_writer(sale_writer: writer.WriterClient, request: dict[str, Any], sku: str) -> dict:
-    """Send a checkout's request to the sale writer and return its answer. Raises Busy once the
-    request was sent and no answer came, or its batch failed: the sale may be committed (a
-    retry with the idempotency key finds it), so nothing else may sell it again. Raises
-    `writer.WriterUnavailable` when nothing was sent."""
-    try:
-        answer = sale_writer.ask(request)
-    except writer.WriterLost as exc:
-        raise Busy(
-            f"{sku}: the sale writer did not answer ({exc})",
-            retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
-        ) from None
-    if answer["o"] == "failed":
-        raise Busy(
-            f"{sku}: the sale writer's batch failed",
-            retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
-        )
-    return answer
-
-
-def committed_order(
-    record: RecordOrder,
-    sale: dict[str, Any],
-    answer: dict[str, Any],
-    shard_units: dict[int, int],
-    served_by: str,
-) -> Order:
-    """The order a batch committed for this checkout (`sale`: the request it was sent, `answer`:
-    the batch's for it)."""
-    order = record.sold(
-        order_id=answer["id"],
-        public_id=sale["public_id"],
-        served_by=served_by,
-        shard_units=shard_units,
-        placed_at=datetime.fromisoformat(answer["at"]),
-    ).order
-    # The sale writer hands its batches' orders to the workers itself.
-    order.handed_to_workers = bool(answer.get("handed"))
-    return order

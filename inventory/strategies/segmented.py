@@ -21,11 +21,12 @@ A buyer starts at a random shard and walks the ring:
    in ascending order while others are held, so two buyers cannot deadlock.
 Sold out only when the shards together hold fewer units than asked.
 
-Served by the shop's gunicorn worker with a sale writer running, a checkout without an
-idempotency key is handed to the writer before it locks anything (`writer.lock_request`): the
-writer runs step 1 for it, with the batch's other checkouts in one round trip, holds the lock
-for it until the batch's commit, and waits in its place for a busy shard (step 2); step 3 goes
-to one of its threads, which sells it the way described here.
+Group commit (FLASHSALE_BATCH_WRITES): step 1 of the checkouts in flight in one web process runs
+as one batch (`inventory.batching`): one round trip to Redis locks a shard for each
+(`StockCounter.lock_first_holding_many`), one statement writes their sales, each fenced by its
+lock's token, and commits (`inventory.stock.sell_batch`), one call releases the locks with
+their hints. A checkout the batch did not sell (no free shard held its quantity, or its row was
+short) walks the ring on its own, as above.
 """
 
 from __future__ import annotations
@@ -34,19 +35,25 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from django.conf import settings
+from django.db import connection
 
-from locking import Lock
+from locking import Lock, release_each_call, scripts
+from locking.counter import LockFirst, StockCounter
 
-from .. import keys, writer
+from .. import deadline, keys, stock
+from ..batching import Batcher, Expired
 from ..breaker import breaker, remember_unsettled
-from ..exceptions import Busy, SoldOut
+from ..exceptions import Busy, OutcomeUnknown, SoldOut
 from ..models import Item, Order
-from ..redis_client import REDIS_DOWN_ERRORS
+from ..redis_client import REDIS_DOWN_ERRORS, get_redis_client
 from ..stock import (
     HalfDone,
-    RowLockTimeout,
+    Outcome,
+    Sold,
     StockRow,
     ensure_current,
     shard_rows,
@@ -69,6 +76,121 @@ def shard_lock(item: Item, index: int) -> Lock:
     return new_lock(keys.shard_locks(item)[index], strategy=SegmentedStrategy.name)
 
 
+# -- group commit ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class _Checkout:
+    """One checkout handed to the batch: what to take, from which shard on, how to record it."""
+
+    item: Item
+    qty: int
+    record: RecordOrder
+    start: int
+    deadline: float
+
+
+def _lock_and_write(checkouts: Sequence[_Checkout]) -> list[Sold | None | BaseException]:
+    """One batch: a shard locked for each checkout in one round trip, their sales written by
+    one statement (each fenced by its lock) and committed, the locks released with their hints
+    in one call. Answers each checkout its sale, or None when the batch did not sell it (no free
+    shard held its quantity, its hints were missing, its row was short): it walks the ring."""
+    tokens = [uuid.uuid4().hex for _ in checkouts]
+    ttl_ms = settings.FLASHSALE_LOCK_TTL_MS
+    calls = [
+        LockFirst(keys.rows(c.item), keys.shard_locks(c.item), c.qty, c.start, token, ttl_ms)
+        for c, token in zip(checkouts, tokens, strict=True)
+    ]
+    try:
+        results = plumbing.counter().lock_first_holding_many(calls)
+    except REDIS_DOWN_ERRORS as exc:
+        # A lock may have been taken before the reply was lost: released on recovery if ours.
+        remember_unsettled(
+            (name, token.encode())
+            for call, token in zip(calls, tokens, strict=True)
+            for name in call.locks
+        )
+        return [exc] * len(checkouts)
+    answers: list[Sold | None | BaseException] = [None] * len(checkouts)
+    held: list[tuple[int, int, int]] = []  # (checkout, shard, fence)
+    now = time.monotonic()
+    for n, (checkout, (picked, _, fence)) in enumerate(zip(checkouts, results, strict=True)):
+        if picked is None or picked < 0 or fence is None:
+            continue
+        if checkout.deadline <= now:
+            answers[n] = deadline.passed(checkout.item.sku)
+            _release(checkouts, tokens, [(n, picked, None)])
+            continue
+        held.append((n, picked, fence))
+    if not held:
+        return answers
+    sales = [
+        {
+            **checkouts[n].record.request(served_by=SegmentedStrategy.name),
+            "rows": {shard: checkouts[n].qty},
+            "fences": {shard: fence},
+            "levels": True,
+        }
+        for n, shard, fence in held
+    ]
+    try:
+        simulate_work()
+        with deadline.bounded_by(min(checkouts[n].deadline for n, _, _ in held)):
+            written = stock.sell_batch(sales)
+    except BaseException as error:
+        _release(checkouts, tokens, [(n, shard, None) for n, shard, _ in held])
+        for (n, _, _), sale in zip(held, sales, strict=True):
+            if isinstance(error, OutcomeUnknown):
+                answers[n] = OutcomeUnknown(sale["public_id"])
+            elif isinstance(error, stock.RowLockTimeout):
+                answers[n] = Busy(f"a stock row stayed locked ({error})")
+            else:
+                answers[n] = error
+        return answers
+    _release(
+        checkouts,
+        tokens,
+        [(n, shard, answer.levels) for (n, shard, _), answer in zip(held, written, strict=True)],
+    )
+    for (n, shard, _), sale, answer in zip(held, sales, written, strict=True):
+        if answer.outcome is Outcome.SOLD:
+            assert answer.order_id is not None
+            answers[n] = checkouts[n].record.sold(
+                order_id=answer.order_id,
+                public_id=sale["public_id"],
+                served_by=SegmentedStrategy.name,
+                shard_units={shard: checkouts[n].qty},
+                placed_at=answer.placed_at,
+            )
+    return answers
+
+
+def _release(
+    checkouts: Sequence[_Checkout],
+    tokens: list[str],
+    held: list[tuple[int, int, dict[int, tuple[int, int]] | None]],
+) -> None:
+    """Release the batch's shard locks in one call, each with its row's hint where its sale
+    returned the row's level (`levels`: {shard: (stock, version)})."""
+    releases = []
+    for n, shard, levels in held:
+        item = checkouts[n].item
+        hint = {keys.row(item, shard): levels[shard]} if levels and shard in levels else {}
+        _, hint_keys, hint_args = StockCounter.set_newer_call(hint)
+        releases.append((keys.shard_locks(item)[shard], tokens[n], hint_keys, hint_args))
+    source, names, args = release_each_call(scripts.STOCK_SET_NEWER, releases)
+    client = get_redis_client()
+    try:
+        scripts.script_for(client, source)(keys=names, args=args)
+    except REDIS_DOWN_ERRORS as exc:
+        breaker.record_failure(exc)
+        remember_unsettled((name, token.encode()) for name, token, _, _ in releases)
+        logger.warning("could not release %d shard locks: Redis is down", len(releases))
+
+
+_batcher: Batcher[_Checkout, Sold | None] = Batcher(_lock_and_write)
+
+
 class SegmentedStrategy(StockStrategy):
     name = "segmented"
     label = f"{settings.FLASHSALE_SHARDS} shards, one Redis lock each"
@@ -85,19 +207,18 @@ class SegmentedStrategy(StockStrategy):
         if not item.shard_count:
             raise RuntimeError(f"{item.sku} has no stock shards: restart its sale")
         start = random.randrange(item.shard_count)
-        if writer.may_hand_off() and not record.idempotency_key and plumbing.writer_may_lock():
-            # The writer locks a shard for it and answers the client (`shop.handoff`): no
-            # round trip to Redis, nothing to wait for here.
-            raise writer.HandedOff(
-                writer.lock_request(
-                    sku=item.sku,
-                    shards=item.shard_count,
-                    start=start,
-                    qty=qty,
-                    sale=record.request(served_by=self.name),
-                    name=keys.shard_locks(item)[start],
-                )
-            )
+        if (
+            settings.FLASHSALE_BATCH_WRITES
+            and not connection.in_atomic_block
+            and plumbing.own_locks_on_one_redis()
+        ):
+            checkout = _Checkout(item, qty, record, start, deadline.current())
+            try:
+                sold = _batcher.submit(checkout, deadline=checkout.deadline)
+            except Expired:
+                raise deadline.passed(item.sku) from None
+            if sold is not None:
+                return sold.order
         picked, hints, token, fence = self._lock_first_holding(item, qty, start)
         if picked is None:
             # Redis lost the hints, or a restart dropped this sale's: only rebuild a current
@@ -107,7 +228,7 @@ class SegmentedStrategy(StockStrategy):
         if sum(hints) < qty:
             raise SoldOut(sku=item.sku, requested=qty, remaining=sum(hints))
 
-        deadline = time.monotonic() + settings.FLASHSALE_LOCK_WAIT_MS / 1000
+        give_up = time.monotonic() + settings.FLASHSALE_LOCK_WAIT_MS / 1000
         ring = [(start + step) % item.shard_count for step in range(item.shard_count)]
         if picked >= 0:
             # The common case: one script chose a free shard holding qty and locked it.
@@ -130,7 +251,7 @@ class SegmentedStrategy(StockStrategy):
             if order is not None:
                 return order
         for index in busy:
-            remaining_wait = deadline - time.monotonic()
+            remaining_wait = give_up - time.monotonic()
             if remaining_wait <= 0:
                 break
             lock = shard_lock(item, index)
@@ -139,12 +260,12 @@ class SegmentedStrategy(StockStrategy):
             order = self._serve_locked(item, qty, record, {index: qty}, {index: lock})
             if order is not None:
                 return order
-        if busy and time.monotonic() >= deadline:
+        if busy and time.monotonic() >= give_up:
             raise Busy(
                 f"{item.sku}: every shard holding {qty} stayed locked",
                 retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
             )
-        return self._serve_from_all(item, qty, record, deadline)
+        return self._serve_from_all(item, qty, record, give_up)
 
     def _lock_first_holding(
         self, item: Item, qty: int, start: int
@@ -170,13 +291,13 @@ class SegmentedStrategy(StockStrategy):
             raise
         return picked, hints, token, fence
 
-    def _serve_from_all(self, item: Item, qty: int, record: RecordOrder, deadline: float) -> Order:
+    def _serve_from_all(self, item: Item, qty: int, record: RecordOrder, give_up: float) -> Order:
         locks: dict[int, Lock] = {}
         hints: dict[int, StockRow] = {}
         try:
             for index in range(item.shard_count):
                 lock = shard_lock(item, index)
-                if not acquire_lock(lock, blocking_timeout=max(deadline - time.monotonic(), 0.001)):
+                if not acquire_lock(lock, blocking_timeout=max(give_up - time.monotonic(), 0.001)):
                     raise Busy(
                         f"{item.sku}: could not lock every shard in time",
                         retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
@@ -239,9 +360,6 @@ class SegmentedStrategy(StockStrategy):
             if None not in fences.values()
             else None
         )
-        order = self._written(item, record, plan, shard_fences, locks, hints)
-        if order is not None:
-            return order
         try:
             sold = record(
                 Allocation(strategy=self.name, shard_units=plan, shard_fences=shard_fences)
@@ -264,54 +382,6 @@ class SegmentedStrategy(StockStrategy):
             }
         )
         return sold.order
-
-    def _written(
-        self,
-        item: Item,
-        record: RecordOrder,
-        plan: dict[int, int],
-        shard_fences: dict[int, int] | None,
-        locks: dict[int, Lock],
-        hints: dict[int, StockRow],
-    ) -> Order | None:
-        """The sale written by the sale writer (FLASHSALE_SALE_WRITER), in a commit shared
-        with the other shards' holders of every web process and with `lua`'s sales: the
-        committed order, its rows' levels in `hints`. None when no writer is configured or
-        reachable, or when it answers `again` (its batch was refused: a row short or a token
-        refused): then the holder writes the sale itself, still under its locks.
-
-        The writer releases the locks (`plumbing.writer_releases`) right after the commit,
-        their hints copied with them: they leave `locks`, and only the others are released
-        here, with their hints from `hints`."""
-        sale_writer = writer.client()
-        if sale_writer is None:
-            return None
-        releases = plumbing.writer_releases(item, {index: locks[index] for index in plan})
-        request = writer.write_request(
-            record.request(served_by=self.name), plan, shard_fences, releases
-        )
-        try:
-            answer = plumbing.ask_writer(sale_writer, request, item.sku)
-        except writer.WriterUnavailable:
-            return None
-        outcome = answer["o"]
-        if outcome == "sold":
-            released = {int(index) for index in answer.get("released") or ()}
-            for index in released:
-                plumbing.released_by_writer(locks.pop(index))
-            hints.update(
-                {
-                    int(index): StockRow(stock=left, version=version)
-                    for index, (left, version) in answer["levels"].items()
-                    if int(index) not in released
-                }
-            )
-            return plumbing.committed_order(record, request["write"], answer, plan, self.name)
-        if outcome == "locked":
-            raise RowLockTimeout(f"{item.sku}: a stock row stayed locked")
-        if outcome == "invalid":
-            raise RuntimeError(f"the sale writer refused the request: {answer.get('e')}")
-        return None  # again: nothing was written
 
     def _write_hints_quietly(self, item: Item, rows: dict[int, StockRow]) -> None:
         try:

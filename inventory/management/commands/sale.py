@@ -1,11 +1,8 @@
-"""`manage.py sale start|restock|audit|reconcile|writer`: run a sale, check its invariants, and
-write `lua`'s and `segmented`'s sales through the sale writer."""
+"""`manage.py sale start|restock|audit|reconcile`: run a sale and check its invariants."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from decimal import Decimal, InvalidOperation
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -27,7 +24,7 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         actions = parser.add_subparsers(
-            dest="action", required=True, metavar="{start,restock,audit,reconcile,writer}"
+            dest="action", required=True, metavar="{start,restock,audit,reconcile}"
         )
         start = actions.add_parser(
             "start",
@@ -67,18 +64,6 @@ class Command(BaseCommand):
             help="Recompute SKU's stock from its orders; repair its item or stock rows, and Redis.",
         )
         reconcile.add_argument("sku")
-        writer = actions.add_parser(
-            "writer",
-            help="Take and write the sales of `lua` checkouts (and write those of `segmented`'s "
-            "shard holders) sent by every web process, in batches, until stopped (SIGTERM or "
-            "Ctrl-C: what it has taken it writes first).",
-        )
-        writer.add_argument(
-            "--socket",
-            default=None,
-            metavar="PATH",
-            help="unix socket to listen on (default: FLASHSALE_SALE_WRITER)",
-        )
 
     def handle(self, *args: object, **options: object) -> None:
         try:
@@ -88,8 +73,6 @@ class Command(BaseCommand):
                 self._restock(options)
             elif options["action"] == "audit":
                 self._audit(options)
-            elif options["action"] == "writer":
-                self._writer(options)
             else:
                 self._reconcile(options)
         except CheckoutError as error:
@@ -125,47 +108,6 @@ class Command(BaseCommand):
             self.stdout.write(change)
         if not changes:
             self.stdout.write(f"{options['sku']}: database, stock rows and Redis already agree")
-
-    def _writer(self, options: dict) -> None:
-        import signal
-
-        from django.conf import settings
-
-        from inventory.api import answer_checkout
-        from inventory.writer import SaleWriter, take_priority
-
-        path = options["socket"] or settings.FLASHSALE_SALE_WRITER
-        if not path:
-            raise CommandError("name the socket: --socket PATH, or set FLASHSALE_SALE_WRITER")
-        writer = SaleWriter(path, answer=answer_checkout)
-
-        def ready() -> None:
-            refused = take_priority(settings.FLASHSALE_SALE_WRITER_NICE)
-            if refused:
-                self.stderr.write(f"warning: {refused}")
-            self.stdout.write(f"sale writer listening on {path}")
-
-        # SIGTERM and Ctrl-C stop it (what it has taken, it writes first); the handlers it
-        # replaces, and the niceness it changes, are back once it stops, for a caller that runs
-        # this command in-process.
-        previous = {
-            signum: signal.signal(signum, lambda *_: writer.stop())
-            for signum in (signal.SIGTERM, signal.SIGINT)
-        }
-        niceness = os.getpriority(os.PRIO_PROCESS, 0)
-        try:
-            writer.serve_forever(ready=ready)
-        except (OSError, RuntimeError) as error:
-            raise CommandError(f"sale writer: {error}") from None
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
-            with contextlib.suppress(OSError):  # going back down needs the same privilege
-                os.setpriority(os.PRIO_PROCESS, 0, niceness)
-        stats = writer.stats()
-        self.stdout.write(
-            f"sale writer stopped: {stats['sales']} sales in {stats['batches']} batches"
-        )
 
     def _audit(self, options: dict) -> None:
         report = selectors.audit_sale(options["sku"])

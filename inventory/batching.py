@@ -1,0 +1,111 @@
+"""Group commit inside one process: the checkouts in flight in it are written together.
+
+A thread hands its request to `Batcher.submit` and waits. When no batch is being written, it
+leads: it takes every request waiting (its own first), runs `write` on them in its own thread
+(its own connections), gives each waiting thread its answer, and passes the lead to the oldest
+request that arrived meanwhile. So a lone request is a batch of one that waits for nothing, and
+batches grow only while a write is in flight: as many requests as came during one round trip.
+The batcher knows nothing of what it writes; a strategy gives it `write`.
+
+A request still waiting when its deadline passes is withdrawn and answered `Expired`: it was
+never written. Once in a batch, it waits for the batch's answer; bounding the write by the
+batch's deadlines is `write`'s job. Decision record: docs/decisions/0001-group-commit-in-process.md.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+Request = TypeVar("Request")
+Answer = TypeVar("Answer")
+
+
+class Expired(Exception):
+    """The request's deadline passed before any batch took it: nothing of it was written."""
+
+
+@dataclass(eq=False)
+class _Waiting(Generic[Request, Answer]):
+    request: Request
+    deadline: float
+    woken: threading.Event = field(default_factory=threading.Event)
+    #: Set instead of an answer: this thread leads the next batch.
+    leads: bool = False
+    answer: Answer | BaseException | None = None
+
+
+class Batcher(Generic[Request, Answer]):
+    """Runs `write(requests)` for the requests of concurrent threads, one batch at a time.
+
+    `write` returns one answer per request, in order: a value, or an exception for that
+    request's thread to raise. An exception `write` raises is every request's answer.
+    """
+
+    def __init__(
+        self,
+        write: Callable[[list[Request]], Sequence[Answer | BaseException]],
+        *,
+        most: int = 64,
+    ) -> None:
+        self._write = write
+        self._most = most
+        self._lock = threading.Lock()
+        self._queue: deque[_Waiting[Request, Answer]] = deque()
+        self._leading = False
+
+    def submit(self, request: Request, *, deadline: float) -> Answer:
+        """Write `request` in a batch and return its answer (or raise it). `deadline`: a
+        `time.monotonic()` value, after which it is withdrawn if no batch has taken it."""
+        waiting: _Waiting[Request, Answer] = _Waiting(request, deadline)
+        with self._lock:
+            self._queue.append(waiting)
+            leads = not self._leading
+            self._leading = True
+        if not leads:
+            self._wait(waiting)
+        if waiting.leads or leads:
+            self._lead()
+        answer = waiting.answer
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer  # type: ignore[return-value]  # set by the batch that wrote it
+
+    def _wait(self, waiting: _Waiting[Request, Answer]) -> None:
+        left = waiting.deadline - time.monotonic()
+        if waiting.woken.wait(max(left, 0) if left != math.inf else None):
+            return
+        with self._lock:
+            if waiting.leads:  # handed the lead as its wait ran out: it leads all the same
+                return
+            if waiting in self._queue:  # no batch took it: withdraw it
+                self._queue.remove(waiting)
+                waiting.answer = Expired("the checkout's deadline passed before it was written")
+                return
+        waiting.woken.wait()  # in a batch being written: its answer comes with the batch's
+
+    def _lead(self) -> None:
+        with self._lock:
+            batch = [self._queue.popleft() for _ in range(min(self._most, len(self._queue)))]
+        try:
+            answers = list(self._write([waiting.request for waiting in batch]))
+            if len(answers) != len(batch):
+                raise RuntimeError(f"{len(answers)} answers for a batch of {len(batch)}")
+        except BaseException as error:  # every request's answer; the leader's thread goes on
+            answers = [error] * len(batch)
+        for waiting, answer in zip(batch, answers, strict=True):
+            waiting.answer = answer
+            waiting.leads = False
+            waiting.woken.set()
+        with self._lock:
+            if self._queue:
+                following = self._queue[0]
+                following.leads = True
+                following.woken.set()
+            else:
+                self._leading = False

@@ -1,0 +1,125 @@
+"""A checkout's deadline (FLASHSALE_CHECKOUT_DEADLINE_MS): past it the buyer is answered
+`503 busy` and nothing of that checkout is sold afterwards, its units back where they were."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import psycopg
+import pytest
+from django.db import connection
+from django.test import Client
+
+from inventory.models import Order
+from inventory.selectors import audit_sale
+from inventory.services import start_sale
+from locking import Lock
+from tests.conftest import test_database_url
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _hold_rows(sku: str) -> psycopg.Connection:
+    """Another transaction holding the item's row and every stock row of its sale locked."""
+    holder = psycopg.connect(test_database_url().replace("postgres://", "postgresql://"))
+    holder.execute("SELECT 1 FROM inventory_item WHERE sku = %s FOR UPDATE", [sku])
+    holder.execute(
+        "SELECT 1 FROM inventory_stockshard s JOIN inventory_item i"
+        " ON s.sale_id = i.current_sale_id WHERE i.sku = %s FOR UPDATE OF s",
+        [sku],
+    )
+    return holder
+
+
+def _checkout(client: Client, **body):
+    return client.post("/api/checkout", body, content_type="application/json")
+
+
+def _checkout_while(
+    hold: Callable[[], None], release: Callable[[], None], deadline_s: float, **body
+):
+    """A checkout sent while `hold` holds what it needs, released only once the checkout's
+    deadline has passed (by a margin): without the deadline the checkout would wait for the
+    release and sell; with it, it has given up before."""
+
+    def checkout():
+        try:
+            return _checkout(Client(), **body)
+        finally:
+            connection.close()
+
+    hold()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            sent = time.monotonic()
+            answer = pool.submit(checkout)
+            while time.monotonic() < sent + deadline_s + 0.5 and not answer.done():
+                time.sleep(0.01)
+            release()
+            return answer.result(timeout=30)
+    finally:
+        release()
+
+
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("strategy", ["lua", "segmented", "lock", "optimistic"])
+def test_a_sale_statement_held_past_the_deadline_sells_nothing(settings, strategy, batched):
+    # Given a checkout deadline of 300 ms, and the sale's rows locked by another transaction
+    # for longer (lock waits of their own outlast it: 5 s)
+    settings.FLASHSALE_CHECKOUT_DEADLINE_MS = 300
+    settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS = 5000
+    settings.FLASHSALE_BATCH_WRITES = batched
+    start_sale(sku="held", stock=10, strategy=strategy)
+    client = Client()
+    assert _checkout(client, sku="held", qty=1, buyer="first").status_code == 201
+    holders: list[psycopg.Connection] = []
+
+    def release() -> None:
+        while holders:
+            holder = holders.pop()
+            holder.rollback()
+            holder.close()
+
+    # When a buyer checks out
+    response = _checkout_while(
+        lambda: holders.append(_hold_rows("held")), release, 0.3, sku="held", qty=2, buyer="late"
+    )
+
+    # Then it is answered 503 busy with Retry-After, and nothing of it was sold
+    assert response.status_code == 503, response.content
+    assert response.json()["error"] == "busy" and response["Retry-After"]
+    assert not Order.objects.filter(buyer="late").exists()
+    # and its units are back: the next buyer gets them all
+    audit = audit_sale("held")
+    assert (audit["accepted_units"], audit["db_stock"]) == (1, 9)
+    if audit["redis_stock"] is not None:
+        assert audit["redis_stock"] == 9
+    assert audit["consistent"], audit
+    assert _checkout(client, sku="held", qty=9, buyer="next").status_code == 201
+
+
+def test_a_lock_held_past_the_deadline_answers_busy_and_sells_nothing(settings):
+    # Given `lock`'s item lock held by another client for longer than the deadline
+    settings.FLASHSALE_CHECKOUT_DEADLINE_MS = 300
+    settings.FLASHSALE_LOCK_WAIT_MS = 5000
+    start_sale(sku="locked", stock=10, strategy="lock")
+    from inventory import keys
+    from inventory.models import Item
+    from inventory.redis_client import get_redis_client
+
+    other = Lock(get_redis_client(), keys.item_lock(Item.objects.get(sku="locked")), timeout=30)
+
+    def release() -> None:
+        if other.owned():
+            other.release()
+
+    response = _checkout_while(
+        lambda: other.acquire(blocking=False), release, 0.3, sku="locked", qty=1, buyer="waiter"
+    )
+
+    assert response.status_code == 503 and response.json()["error"] == "busy"
+    assert not Order.objects.filter(buyer="waiter").exists()
+    assert audit_sale("locked")["db_stock"] == 10
+    connection.close()
