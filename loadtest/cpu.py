@@ -6,8 +6,7 @@ share the same cores. A meter samples, four times a second, the CPU time (user +
 the processes on this host by part, and over a window (two instants) reads each part's CPU
 off its samples:
 
-- `server`: the gunicorn started for the run and its workers;
-- `writer`: the sale writer started with it; `worker`: the Celery worker;
+- `server`: the web server started for the run and its workers; `worker`: the Celery worker;
 - `locust`: the Locust processes of the run (the crowd);
 - `postgres`, `redis`: every process of that name on this host (backends, WAL writer and
   checkpointer; every Redis server), so a server elsewhere counts nothing here;
@@ -32,7 +31,7 @@ from dataclasses import dataclass, field
 from .bench.measure import host_cpu_times
 
 #: The parts, in the order the report prints them.
-PARTS = ("server", "writer", "worker", "locust", "postgres", "redis", "other")
+PARTS = ("server", "worker", "locust", "postgres", "redis", "other")
 #: Parts told apart by the name of the process (its `comm`).
 BY_NAME = {"postgres": "postgres", "redis-server": "redis"}
 INTERVAL = 0.25

@@ -339,7 +339,7 @@ def _html_table(header: list[str], rows: list[list[str]]) -> str:
 CPU_HEADER = ["cpu ms per unit", *PARTS, "all", "host busy"]
 CPU_LEGEND = (
     "CPU per unit sold over the window, in ms (the baseline: per request once the crowd is in), "
-    "by part of the system on this host: server (gunicorn), writer (the sale writer), worker "
+    "by part of the system on this host: server (the web server), worker "
     "(Celery), locust (the crowd), postgres and redis (every such process here), other (the "
     "rest of the host's busy CPU); all: the host's busy CPU; host busy: its share of the "
     "host's CPUs. A rate on a busy host is set by what a unit costs in all."

@@ -57,7 +57,7 @@ from inventory.services import start_sale
 from inventory.strategies import oversells, strategy_names
 from shop import queues
 from shop.processes.devservices import die_with_parent
-from shop.processes.servers import PROJECT_DIR, CeleryWorker, SaleWriter, ShopServer
+from shop.processes.servers import PROJECT_DIR, SERVER_KINDS, CeleryWorker, ShopServer
 
 from .bench.measure import percentile_ms, stat_fields
 from .cpu import CpuMeter, per_unit
@@ -125,9 +125,10 @@ class LoadRunSettings:
     #: A sized stock lasts window x headroom at the probe's pace: room for a faster sale.
     headroom: float = 1.5
     unsafe_delay_ms: int = 5
-    #: A server started here sends `lua`'s and `segmented`'s sales through a sale writer
-    #: started with it.
-    sale_writer: bool = True
+    #: The server started here (`shop.processes.servers.SERVER_KINDS`), and its threads per
+    #: worker where it has threads.
+    server: str = "sync"
+    server_threads: int = 1
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -154,6 +155,8 @@ class LoadRunSettings:
             (1 <= self.workers <= 64, "workers: from 1 to 64"),
             (1 <= self.qty <= 100, "qty: from 1 to 100"),
             (1 <= self.server_workers <= 64, "server workers: from 1 to 64"),
+            (self.server in SERVER_KINDS, f"server: one of {', '.join(SERVER_KINDS)}"),
+            (1 <= self.server_threads <= 64, "server threads: from 1 to 64"),
             (self.warmup is None or 0 <= self.warmup <= 60, "warmup: from 0 to 60 seconds"),
             (1 <= self.headroom <= 10, "headroom: from 1 to 10"),
             (0 <= self.unsafe_delay_ms <= 10_000, "unsafe delay: from 0 to 10000 ms"),
@@ -225,7 +228,8 @@ class LoadRunSettings:
             "workers": self.workers,
             "host": self.host or "local gunicorn",
             "server_workers": None if self.host else self.server_workers,
-            "sale_writer": None if self.host else self.sale_writer,
+            "server": None if self.host else self.server,
+            "server_threads": None if self.host else self.server_threads,
             "warmup": self.warmup_seconds,
             "strategies": self.strategies,
         }
@@ -360,8 +364,7 @@ def _target(
 ) -> Iterator[tuple[str, dict[int, str], str | None]]:
     """The server to flood, the processes started for it by part (`loadtest.cpu`) and the task
     queue of the worker started for it:
-    `--host` (none), or a gunicorn and a Celery worker (and a sale writer) started for the
-    batch.
+    `--host` (none), or a server and a Celery worker started for the batch.
 
     The worker started here consumes a task queue of the batch's own, deleted when the batch
     ends: orders it has not settled by then stay pending in the database (the outbox a sweeper
@@ -382,35 +385,31 @@ def _target(
     env["FLASHSALE_API_TOKEN"] = os.environ["FLASHSALE_API_TOKEN"]
     # Its `/metrics` are open to this machine, as under `make serve`.
     env.setdefault("FLASHSALE_METRICS_LOOPBACK", "true")
-    writer = SaleWriter(env, log_path=out / "writer.log") if config.sale_writer else None
-    server_env = {**env, **(writer.env() if writer else {})}
     server = ShopServer(
-        env=server_env, workers=config.server_workers, log_path=out / "server.log", preload=True
+        env=env,
+        workers=config.server_workers,
+        log_path=out / "server.log",
+        preload=True,
+        kind=config.server,
+        threads=config.server_threads,
     )
     worker = CeleryWorker(env, log_path=out / "worker.log")
     with ExitStack() as stack:
-        # Undone in reverse: the server first (no more orders), the writer (what it has taken
-        # it writes), the worker, then its queue.
+        # Undone in reverse: the server first (no more orders), the worker, then its queue.
         stack.callback(_delete_queue, queue, config.strategies, timezone.now(), progress)
         stack.callback(worker.stop)
+        threads = f" x {config.server_threads} threads" if config.server_threads > 1 else ""
         progress(
-            f"starting gunicorn ({config.server_workers} workers), "
-            + ("a sale writer " if writer else "")
-            + "and a Celery worker"
+            f"starting {config.server} ({config.server_workers} workers{threads}) "
+            "and a Celery worker"
         )
-        if writer is not None:
-            stack.callback(writer.stop)
-            writer.start()
         stack.callback(server.stop)
         server.start()
         worker.start()
-        parts = {_pid(server): "server", _pid(worker): "worker"}
-        if writer is not None:
-            parts[_pid(writer)] = "writer"
-        yield server.url, parts, queue
+        yield server.url, {_pid(server): "server", _pid(worker): "worker"}, queue
 
 
-def _pid(process: ShopServer | CeleryWorker | SaleWriter) -> int:
+def _pid(process: ShopServer | CeleryWorker) -> int:
     assert process.process is not None, "started"
     return process.process.pid
 

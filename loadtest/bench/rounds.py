@@ -77,9 +77,9 @@ def _serve_sales(path: str, ready: Any) -> None:
     import signal
 
     from django.conf import settings
+    from inventory.writer import SaleWriter, take_priority
 
     from inventory.api import answer_checkout
-    from inventory.writer import SaleWriter, take_priority
 
     refused = take_priority(settings.FLASHSALE_SALE_WRITER_NICE)
     if refused:

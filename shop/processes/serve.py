@@ -1,12 +1,13 @@
-"""What `make serve` runs (inside shop.devservices): migrate, then the sale writer, gunicorn, a
-Celery worker and Celery beat (the order sweeper and reconciler).
+"""What `make serve` runs (inside shop.devservices): migrate, then gunicorn, a Celery
+worker and Celery beat (the order sweeper and reconciler).
 
 Usage: python -m shop.serve [--host 127.0.0.1] [--port 8000] [--workers 4]
 
 Only one may run per checkout: it holds an exclusive lock on .data/serve.lock (which names its
 pid and address) and checks the port is free before starting anything. Ctrl-C or SIGTERM stops
-both processes and exits 0; if either dies on its own, the other is stopped and the exit status
-is non-zero.
+them all and exits 0. A process that dies on its own is started again while the others go on
+(as compose's `restart:` does); one that keeps dying (more than RESTART_LIMIT times in
+RESTART_WINDOW seconds) stops them all, with a non-zero exit status.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from typing import IO
 
@@ -28,6 +28,10 @@ from .devservices import ROOT, die_with_parent, exit_status
 LOCK_PATH = ROOT / ".data" / "serve.lock"
 STOP_TIMEOUT_SECONDS = 15.0
 READY_TIMEOUT_SECONDS = 60.0
+#: A child that exits more than RESTART_LIMIT times in RESTART_WINDOW seconds is not started
+#: again: the whole server stops, with its exit status.
+RESTART_LIMIT = 5
+RESTART_WINDOW = 60.0
 
 
 def say(message: str) -> None:
@@ -90,6 +94,9 @@ class Server:
         self.url = display_url(host, port)
         self.stop_requested: int | None = None
         self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self.commands: dict[str, list[str]] = {}
+        #: When each child exited, lately (`_restart`).
+        self.exits: dict[str, list[float]] = {}
 
     def _on_signal(self, signum: int, _frame) -> None:
         self.stop_requested = signum
@@ -113,10 +120,6 @@ class Server:
             say(f"`manage.py migrate` failed (exit {exit_status(migrate.returncode)}); not serving")
             return 1
 
-        # `lua`'s and `segmented`'s sales of every web process, in shared commits
-        # (FLASHSALE_SALE_WRITER="" turns it off: each web process then writes its own).
-        if os.environ.setdefault("FLASHSALE_SALE_WRITER", self.writer_socket()):
-            self._spawn("the sale writer", [sys.executable, "manage.py", "sale", "writer"])
         # `/metrics` open to this machine, without the token; the worker's on the next port.
         os.environ.setdefault("FLASHSALE_METRICS_LOOPBACK", "true")
         os.environ.setdefault("FLASHSALE_WORKER_METRICS_PORT", str(self.port + 1))
@@ -144,12 +147,13 @@ class Server:
             died = self._first_dead()
             if died is not None:
                 name, code = died
-                others = [other for other in self.children if other != name]
-                say(
-                    f"{name} exited with code {code}; stopping "
-                    + (", ".join(others) if others else "the rest")
-                )
-                return code or 1
+                if not self._restart(name, code):
+                    others = [other for other in self.children if other != name]
+                    say(
+                        f"{name} keeps exiting (code {code}); stopping "
+                        + (", ".join(others) if others else "the rest")
+                    )
+                    return code or 1
             if not announced:
                 if port_accepts(self.host, self.port):
                     print(
@@ -158,18 +162,32 @@ class Server:
                     )
                     announced = True
                 elif time.monotonic() > ready_by:
-                    say(f"gunicorn did not accept connections on {self.url} within 60 s")
+                    say(f"the web server did not accept connections on {self.url} within 60 s")
                     return 1
             time.sleep(0.2)
-        say("stopping the web server, the sale writer, the Celery worker and beat")
+        say("stopping the web server, the Celery worker and beat")
         return 0
 
-    def writer_socket(self) -> str:
-        return os.path.join(tempfile.gettempdir(), f"flashsale-writer-{self.port}.sock")
+    def _restart(self, name: str, code: int) -> bool:
+        """Start `name` again after it exited with `code`, as compose's `restart:` does (the
+        rest go on meanwhile); False once it has exited RESTART_LIMIT times in RESTART_WINDOW
+        seconds (something is wrong that a restart does not mend)."""
+        now = time.monotonic()
+        recent = [at for at in self.exits.get(name, []) if at > now - RESTART_WINDOW] + [now]
+        self.exits[name] = recent
+        if len(recent) > RESTART_LIMIT:
+            return False
+        # Whatever it left in its process group (a killed master's workers) goes first.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.children[name].pid, signal.SIGKILL)
+        say(f"{name} exited with code {code}; starting it again")
+        self._spawn(name, self.commands[name])
+        return True
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         # Sessions of their own: a Ctrl-C reaches this process only, which then stops both in
         # order (gunicorn graceful, Celery warm shutdown) instead of each getting the signal.
+        self.commands[name] = argv
         self.children[name] = subprocess.Popen(
             argv, cwd=ROOT, start_new_session=True, preexec_fn=die_with_parent
         )

@@ -1,4 +1,4 @@
-"""Start and stop a real gunicorn serving the shop, its Celery worker and its sale writer, for
+"""Start and stop a real gunicorn serving the shop, and its Celery worker, for
 floods, the demo and tests.
 
 Each runs in a session of its own (a Ctrl-C typed at the terminal reaches the process that
@@ -7,7 +7,6 @@ without stopping it (killed, or crashed): none outlives its starter."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import shutil
@@ -46,8 +45,15 @@ def stop_group(process: subprocess.Popen[bytes] | None, timeout: float) -> None:
         kill_group(process)
 
 
+#: The servers the shop can run under (`ShopServer.kind`): gunicorn's sync workers, gunicorn's
+#: gthread workers (`threads` each), granian's WSGI workers (`threads` blocking threads each),
+#: and uvicorn's ASGI workers (`shop.asgi`).
+SERVER_KINDS = ("sync", "gthread", "granian", "uvicorn")
+
+
 class ShopServer:
-    """gunicorn `shop.wsgi:application` on 127.0.0.1, sync workers, in its own process group."""
+    """The shop on 127.0.0.1 (by default gunicorn `shop.wsgi:application`, sync workers), in
+    its own process group."""
 
     def __init__(
         self,
@@ -57,9 +63,16 @@ class ShopServer:
         port: int | None = None,
         log_path: Path | None = None,
         preload: bool = False,
+        kind: str = "sync",
+        threads: int = 1,
     ) -> None:
         """preload: import the app once, before the workers fork, so that every worker answers
-        as soon as the first does (a measurement must not start while workers still boot)."""
+        as soon as the first does (a measurement must not start while workers still boot);
+        gunicorn only. `kind`: one of SERVER_KINDS; `threads`: per worker, where it has any."""
+        if kind not in SERVER_KINDS:
+            raise ValueError(f"unknown server {kind!r}; choose one of {', '.join(SERVER_KINDS)}")
+        self.kind = kind
+        self.threads = threads
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {**os.environ, **(env or {})}
@@ -77,8 +90,28 @@ class ShopServer:
             self.metrics_dir = Path(tempfile.mkdtemp(prefix="flashsale-metrics-"))
             self.env["PROMETHEUS_MULTIPROC_DIR"] = str(self.metrics_dir)
 
-    def start(self, timeout: float = 30.0) -> ShopServer:
-        command = [
+    def command(self) -> list[str]:
+        """The command line that serves the shop on this server's port."""
+        bind = ["--host", "127.0.0.1", "--port", str(self.port)]
+        if self.kind == "granian":
+            return [
+                *(sys.executable, "-m", "granian", "--interface", "wsgi"),
+                *("--workers", str(self.workers), "--blocking-threads", str(self.threads)),
+                *bind,
+                *("--log-level", "warning", "--no-ws", "shop.wsgi:application"),
+            ]
+        if self.kind == "uvicorn":
+            return [
+                *(sys.executable, "-m", "uvicorn", "shop.asgi:application"),
+                *("--workers", str(self.workers), *bind),
+                *("--log-level", "warning", "--no-access-log", "--lifespan", "off"),
+            ]
+        threaded = (
+            ["--worker-class", "gthread", "--threads", str(self.threads)]
+            if self.kind == "gthread"
+            else []
+        )
+        return [
             sys.executable,
             "-m",
             "gunicorn",
@@ -89,6 +122,7 @@ class ShopServer:
             f"127.0.0.1:{self.port}",
             "--workers",
             str(self.workers),
+            *threaded,
             "--timeout",
             "60",
             "--graceful-timeout",
@@ -97,6 +131,9 @@ class ShopServer:
             "warning",
             *(["--preload"] if self.preload else []),
         ]
+
+    def start(self, timeout: float = 30.0) -> ShopServer:
+        command = self.command()
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.process = subprocess.Popen(
             command,
@@ -110,7 +147,7 @@ class ShopServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"gunicorn exited with {self.process.returncode} at start")
+                raise RuntimeError(f"{self.kind} exited with {self.process.returncode} at start")
             try:
                 with urllib.request.urlopen(f"{self.url}/healthz", timeout=2) as response:
                     if response.status == 200:
@@ -118,7 +155,7 @@ class ShopServer:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 time.sleep(0.1)
         self.stop()
-        raise RuntimeError(f"gunicorn did not answer /healthz within {timeout} s")
+        raise RuntimeError(f"{self.kind} did not answer /healthz within {timeout} s")
 
     def stop(self) -> None:
         stop_group(self.process, timeout=10)
@@ -192,59 +229,4 @@ class CeleryWorker:
         kill_group(self.process)
 
     def stop(self) -> None:
-        stop_group(self.process, timeout=15)
-
-
-class SaleWriter:
-    """A real `manage.py sale writer` process on a unix socket of its own, in its own process
-    group: give `env()` to the web processes that are to send it their `lua` sales."""
-
-    def __init__(self, env: dict[str, str], log_path: Path | None = None) -> None:
-        self.path = os.path.join(tempfile.gettempdir(), f"flashsale-writer-{uuid.uuid4().hex}.sock")
-        self.env_vars = {**os.environ, **env, "FLASHSALE_SALE_WRITER": self.path}
-        self.log_path = log_path
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def env(self) -> dict[str, str]:
-        """What the web processes need to send their sales here."""
-        return {"FLASHSALE_SALE_WRITER": self.path}
-
-    def start(self, timeout: float = 30.0) -> SaleWriter:
-        log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
-        self.process = subprocess.Popen(
-            [sys.executable, "manage.py", "sale", "writer", "--socket", self.path],
-            cwd=PROJECT_DIR,
-            env=self.env_vars,
-            start_new_session=True,
-            preexec_fn=die_with_parent,
-            stdout=log,
-            stderr=subprocess.STDOUT if log else None,
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the sale writer exited with {self.process.returncode}")
-            if self.answers():
-                return self
-            time.sleep(0.05)
-        self.kill()
-        raise RuntimeError(f"the sale writer did not answer on {self.path} in time")
-
-    def answers(self) -> bool:
-        """Whether it answers on its socket (with its database connection open)."""
-        from inventory.writer import writer_stats
-
-        try:
-            return writer_stats(self.path, timeout=2)["backend_pid"] is not None
-        except OSError:
-            return False
-
-    def kill(self) -> None:
-        """SIGKILL it, as a crash would: what it took and had not written stays taken."""
-        kill_group(self.process)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-
-    def stop(self) -> None:
-        """SIGTERM: it writes what it has taken, answers, and exits."""
         stop_group(self.process, timeout=15)

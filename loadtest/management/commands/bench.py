@@ -29,6 +29,7 @@ BENCHMARKS = {
     "waiters": "loadtest.bench_waiters",
     "calls": "loadtest.bench.calls",
     "wake": "loadtest.bench.wake",
+    "servers": "loadtest.bench.servers",
 }
 
 

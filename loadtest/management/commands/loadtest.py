@@ -35,6 +35,7 @@ from loadtest.runs import (
     run_batch,
     run_rounds,
 )
+from shop.processes.servers import SERVER_KINDS
 
 
 class LiveProgress:
@@ -116,14 +117,20 @@ class Command(BaseCommand):
         )
         parser.add_argument("--qty", type=int, default=1, help="units per checkout")
         parser.add_argument(
-            "--server-workers", type=int, default=8, help="gunicorn workers when started here"
+            "--server-workers", type=int, default=8, help="server workers when started here"
         )
         parser.add_argument(
-            "--sale-writer",
-            action=argparse.BooleanOptionalAction,
-            default=True,
-            help="on a server started here, send the sales of `lua` and `segmented` through a "
-            "sale writer started with it (`manage.py sale writer`; default: yes)",
+            "--server",
+            choices=SERVER_KINDS,
+            default="sync",
+            help="the server started here: gunicorn's sync or gthread workers, granian's WSGI "
+            "workers, or uvicorn (ASGI) (default: sync)",
+        )
+        parser.add_argument(
+            "--server-threads",
+            type=int,
+            default=1,
+            help="threads per server worker, for gthread and granian (default 1)",
         )
         parser.add_argument(
             "--settle-timeout",
@@ -180,7 +187,8 @@ class Command(BaseCommand):
             workers=options["workers"],
             qty=options["qty"],
             server_workers=options["server_workers"],
-            sale_writer=options["sale_writer"],
+            server=options["server"],
+            server_threads=options["server_threads"],
             settle_timeout=options["settle_timeout"],
             warmup=options["warmup"],
             unsafe_delay_ms=options["unsafe_delay_ms"],
@@ -218,7 +226,7 @@ class Command(BaseCommand):
 
         progress = LiveProgress(self.stderr)
         # SIGTERM (a supervisor, a CI timeout, `kill`) ends the batch as Ctrl-C does: the run
-        # under way is recorded as interrupted, and the server, sale writer, order worker and
+        # under way is recorded as interrupted, and the server, order worker and
         # crowd started for it are stopped on the way out.
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, _exit_on_sigterm)
