@@ -405,13 +405,14 @@ def sell_batch(requests: list[dict[str, Any]]) -> list[Written]:
     sku = str(requests[0].get("sku", "the batch")) if requests else "the batch"
     wait = _row_lock_wait(sku)
     database = connections[DEFAULT_DB_ALIAS]
+    backend = None  # until the statement is sent
     try:
         with prepared_cursor() as cursor:
             backend = database.connection.info.backend_pid
             cursor.execute(_BATCH_SQL, _batch_parameters(requests, at, wait))
             found = cursor.fetchall()
     except DatabaseError as exc:
-        if connection_lost(database):
+        if backend is not None and connection_lost(database):
             # One statement commits all of its orders or none.
             placed = _resolve([request["public_id"] for request in requests], backend)
             return [Written(Outcome.SOLD, placed[request["public_id"]], at) for request in requests]
@@ -550,13 +551,14 @@ def _sell_one_by_one(requests: list[dict[str, Any]], at: datetime, wait: str) ->
     order = sorted(range(len(requests)), key=lambda i: (requests[i]["sale"], requests[i]["buyer"]))
     parameters = _batch_parameters([requests[i] for i in order], at, wait)
     database = connections[DEFAULT_DB_ALIAS]
+    backend = None  # until the statement is sent
     try:
         with prepared_cursor() as cursor:
             backend = database.connection.info.backend_pid
             cursor.execute(_ONE_BY_ONE_SQL, parameters)
             rows = cursor.fetchall()
     except DatabaseError as exc:
-        if connection_lost(database):
+        if backend is not None and connection_lost(database):
             return _resolve_each(requests, backend, at)
         if getattr(exc.__cause__, "sqlstate", None) in (
             LOCK_NOT_AVAILABLE_SQLSTATE,

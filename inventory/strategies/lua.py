@@ -187,7 +187,7 @@ def _take_and_write(checkouts: Sequence[_Checkout]) -> list[_Answer | BaseExcept
                 answers[n] = OutcomeUnknown(sale["public_id"])
             else:
                 _give_back(checkout.item, plan)
-                answers[n] = _unwritten(error)
+                answers[n] = error
         return answers
     for (n, checkout, plan), sale, answer in zip(writes, sales, written, strict=True):
         sold = None
@@ -202,16 +202,6 @@ def _take_and_write(checkouts: Sequence[_Checkout]) -> list[_Answer | BaseExcept
             )
         answers[n] = _Answer(plan, written=answer.outcome, sold=sold)
     return answers
-
-
-def _unwritten(error: BaseException) -> BaseException:
-    """What a checkout whose batch's statement failed is answered: Busy for a row that stayed
-    locked; the error itself otherwise."""
-    if isinstance(error, stock.RowLockTimeout):
-        return Busy(
-            f"the sale was not written ({error})", retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER
-        )
-    return error
 
 
 _batcher: Batcher[_Checkout, _Answer] = Batcher(_take_and_write)

@@ -142,8 +142,6 @@ def _lock_and_write(checkouts: Sequence[_Checkout]) -> list[Sold | None | BaseEx
         for (n, _, _), sale in zip(held, sales, strict=True):
             if isinstance(error, OutcomeUnknown):
                 answers[n] = OutcomeUnknown(sale["public_id"])
-            elif isinstance(error, stock.RowLockTimeout):
-                answers[n] = Busy(f"a stock row stayed locked ({error})")
             else:
                 answers[n] = error
         return answers

@@ -46,10 +46,10 @@ def test_a_flood_writes_the_stock_rows_and_leaves_the_item_row_alone(shop_server
     assert Item.objects.get(sku=sku).stock == 0
 
 
-@pytest.mark.parametrize("group_commit", [False, True], ids=["commit-per-sale", "group-commit"])
-def test_lua_counters_set_too_high_are_refused_by_the_database(settings, group_commit):
+@pytest.mark.parametrize("batched", [False, True], ids=["commit-per-sale", "group-commit"])
+def test_lua_counters_set_too_high_are_refused_by_the_database(settings, batched):
     # Given a lua sale of 20 units whose Redis counters claim 1000 units per stripe
-    settings.FLASHSALE_GROUP_COMMIT = group_commit
+    settings.FLASHSALE_BATCH_WRITES = batched
     sku = f"too-high-{uuid.uuid4().hex[:6]}"
     start_sale(sku=sku, stock=20, strategy="lua")
     item = Item.objects.get(sku=sku)

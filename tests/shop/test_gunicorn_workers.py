@@ -1,6 +1,5 @@
-"""Which gunicorn worker classes the shop runs on: its own sync worker (`shop.handoff`, the
-default), gunicorn's sync and gthread serve it, gevent is refused at start with a clear error
-(docs/operations.md, "Sync workers, or gthread")."""
+"""Which gunicorn worker classes the shop runs on: gunicorn's sync (the default) and gthread
+serve it, gevent is refused at start with a clear error (docs/operations.md)."""
 
 from __future__ import annotations
 
@@ -48,7 +47,7 @@ def test_gevent_workers_are_refused_before_any_worker_starts(tmp_path):
     [(), ("--worker-class", "sync"), ("--worker-class", "gthread", "--threads", "2")],
 )
 def test_sync_and_gthread_workers_serve_the_shop(options):
-    # Given the shop's gunicorn with its default sync workers, gunicorn's own, or gthread
+    # Given the shop's gunicorn with its default workers, sync named, or gthread
     port = free_port()
     process = subprocess.Popen(
         _gunicorn(port, "--workers", "1", *options),
