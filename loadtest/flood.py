@@ -27,6 +27,12 @@ class FloodResult:
     #: of the host).
     failed_at: list[float] = field(default_factory=list)
     elapsed: float = 0.0
+    #: Each attempt's buyer (unique per attempt) and the status it was answered (0: none, the
+    #: connection failed), to hold each order in the database to the answer its buyer got.
+    answers: dict[str, int] = field(default_factory=dict)
+    #: Answers whose body was not JSON, and `503`s without a Retry-After.
+    not_json: int = 0
+    busy_without_retry_after: int = 0
 
     @property
     def requests(self) -> int:
@@ -50,6 +56,9 @@ class FloodResult:
         self.order_ids.extend(other.order_ids)
         self.transport_failures += other.transport_failures
         self.failed_at.extend(other.failed_at)
+        self.answers.update(other.answers)
+        self.not_json += other.not_json
+        self.busy_without_retry_after += other.busy_without_retry_after
 
 
 @dataclass(frozen=True)
@@ -62,37 +71,46 @@ class _Share:
     worker: int
     pause: float
     timeout: float
+    keyed: bool = False
 
 
 def _buy(share: _Share) -> FloodResult:
     parts = urlsplit(share.url)
     result = FloodResult()
     for attempt in range(share.attempts):
-        body = json.dumps(
-            {
-                "sku": share.sku,
-                "qty": share.qty,
-                "buyer": f"{share.buyer_prefix}-{share.worker}-{attempt}",
-            }
-        )
+        buyer = f"{share.buyer_prefix}-{share.worker}-{attempt}"
+        fields: dict[str, object] = {"sku": share.sku, "qty": share.qty, "buyer": buyer}
+        if share.keyed:
+            fields["idempotency_key"] = f"key-{buyer}"
         connection = http.client.HTTPConnection(
             parts.hostname or "127.0.0.1", parts.port, timeout=share.timeout
         )
         try:
-            connection.request("POST", "/api/checkout", body, {"Content-Type": "application/json"})
+            connection.request(
+                "POST", "/api/checkout", json.dumps(fields), {"Content-Type": "application/json"}
+            )
             response = connection.getresponse()
-            payload = json.loads(response.read() or b"{}")
-        except (OSError, http.client.HTTPException, ValueError):
+            raw = response.read()
+        except (OSError, http.client.HTTPException):
             result.transport_failures += 1
             result.failed_at.append(time.monotonic())
+            result.answers[buyer] = 0
             continue
         finally:
             connection.close()
         result.statuses[response.status] += 1
+        result.answers[buyer] = response.status
+        try:
+            payload = json.loads(raw or b"{}")
+        except ValueError:
+            result.not_json += 1
+            payload = {}
         if response.status == 201:
             result.order_ids.append(payload["order"])
         else:
             result.errors[payload.get("error", "?")] += 1
+        if response.status == 503 and not response.getheader("Retry-After"):
+            result.busy_without_retry_after += 1
         if share.pause:
             time.sleep(share.pause)
     return result
@@ -108,8 +126,10 @@ def flood(
     buyer_prefix: str = "buyer",
     pause: float = 0.0,
     timeout: float = 30.0,
+    keyed: bool = False,
 ) -> FloodResult:
-    """Send `attempts` checkouts of qty units of sku from `concurrency` processes at once."""
+    """Send `attempts` checkouts of qty units of sku from `concurrency` processes at once
+    (`keyed`: each with an idempotency key of its own)."""
     shares = [
         _Share(
             url=url,
@@ -120,6 +140,7 @@ def flood(
             worker=worker,
             pause=pause,
             timeout=timeout,
+            keyed=keyed,
         )
         for worker in range(concurrency)
     ]

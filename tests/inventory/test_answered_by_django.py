@@ -1,0 +1,60 @@
+"""Every checkout is answered by Django's own response cycle: the view's answer passes through
+the middleware (its headers are there), and the server logs the status the buyer got."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+from django.test import Client
+
+from inventory.services import start_sale
+from shop.processes.servers import ShopServer
+from tests.conftest import server_env, wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.mark.parametrize("strategy", ["lua", "segmented"])
+def test_the_test_client_sees_the_201_and_the_middlewares_headers(strategy):
+    start_sale(sku=f"seen-{strategy}", stock=3, strategy=strategy)
+
+    response = Client().post(
+        "/api/checkout",
+        {"sku": f"seen-{strategy}", "qty": 1, "buyer": "ann"},
+        content_type="application/json",
+    )
+
+    assert response.status_code == 201 and response.json()["status"] == "pending"
+    # XFrameOptionsMiddleware and SecurityMiddleware write these on the way out
+    assert response["X-Frame-Options"] == "DENY"
+    assert response["X-Content-Type-Options"] == "nosniff"
+
+
+@pytest.mark.parametrize("kind", ["sync", "gthread"])
+def test_a_real_server_logs_the_201_its_buyer_got(tmp_path, kind):
+    # Given the shop under a real server that writes an access log
+    start_sale(sku=f"logged-{kind}", stock=3, strategy="lua")
+    log = tmp_path / "access.log"
+    server = ShopServer(
+        env={**server_env(), "GUNICORN_CMD_ARGS": f"--access-logfile {log}"},
+        workers=2,
+        kind=kind,
+        threads=4,
+    ).start()
+    try:
+        # When a buyer checks out
+        response = requests.post(
+            f"{server.url}/api/checkout",
+            json={"sku": f"logged-{kind}", "qty": 1, "buyer": "ann"},
+            timeout=30,
+        )
+    finally:
+        server.stop()
+
+    # Then the buyer got a 201 that passed through the middleware
+    assert response.status_code == 201, response.text
+    assert response.headers["X-Frame-Options"] == "DENY"
+    # and the server logged that very status for it
+    assert wait_until(lambda: log.exists() and '"POST /api/checkout' in log.read_text(), timeout=10)
+    (line,) = [line for line in log.read_text().splitlines() if "/api/checkout" in line]
+    assert '" 201 ' in line, line
