@@ -1,7 +1,9 @@
-"""The buyer processes: each connects, waits at the barrier and buys until sold out or capped."""
+"""The buyer processes: each runs its buyers as threads, each of which connects, waits at the
+barrier and buys until sold out or capped."""
 
 from __future__ import annotations
 
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -146,20 +148,20 @@ def buy_until_done(buy: Callable[[], bool], report: BuyerReport, duration: float
 
 def buyer_process(
     contender: Contender,
-    worker: int,
+    workers: list[int],
     duration: float,
     profile: bool,
     warmup: int,
     barrier: Any,
     reports: Any,
 ) -> None:
-    """Body of one buyer process: connect, buy `warmup` units of the warm-up sale the same
-    way, wait for the others, buy until sold out or capped."""
-    from inventory.exceptions import Busy
-
+    """Body of one buyer process: a thread per buyer of `workers` (each with its own
+    connection) buys `warmup` units of the warm-up sale the contender's way; once every thread
+    is warm, the process waits for the others, then its threads buy until sold out or capped.
+    It reports its threads' figures summed (and each one's units), under its first worker."""
     report = BuyerReport()
-    backend_pid = None
     probe = Probe() if profile else None
+    threads: list[_BuyerThread] = []
     try:
         from inventory.redis_client import get_redis_client
 
@@ -173,38 +175,135 @@ def buyer_process(
         if contender.peer is not None:
             # The seam the strategies build their locks through: nothing else differs.
             settings.FLASHSALE_LOCK_FACTORY = contender.peer.factory
-        if contender.name != EVALSHA:
-            backend_pid = _backend_pid()
-        if warmup:
-            # Connections, prepared statements, caches, the writer's backend: warm before the
-            # barrier, so that a round measures selling rather than starting up.
-            warm_buy = _buyer(contender, warm_sku(contender), worker)
-            for _ in range(warmup):
-                try:
-                    warm_buy()
-                except Busy:
-                    pass
-        buy = _buyer(contender, contender.sku, worker)
         if probe is not None and contender.name != EVALSHA:
             probe.install()
+        warm = threading.Barrier(len(workers) + 1)
+        go = threading.Barrier(len(workers) + 1)
+        threads = [
+            _BuyerThread(contender, worker, duration, warmup, probe, warm, go) for worker in workers
+        ]
+        for thread in threads:
+            thread.start()
+        warm.wait()  # every thread warm, or one failed (the barrier is then broken)
     except BaseException:
-        barrier.abort()
         report.error = traceback.format_exc(limit=4)
-        reports.put((worker, asdict(report)))
+        _abandon(threads, barrier)
+        reports.put((workers[0], asdict(_summed(report, threads))))
         return
 
-    backend_cpu = process_cpu_seconds(backend_pid) if backend_pid else None
-    cpu = time.process_time()
+    cpu = time.process_time()  # every thread's, from here on
     try:
         barrier.wait(120)  # every buyer is warm: the round's counters are read now
         barrier.wait(120)  # and the round starts
-        buy_until_done(buy, report, duration)
+        go.wait()
     except BaseException:
         report.error = traceback.format_exc(limit=6)
+        go.abort()
+    for thread in threads:
+        thread.join()
     report.cpu_seconds = time.process_time() - cpu
     if probe is not None:
         report.timings = probe.seconds
-    if backend_cpu is not None and backend_pid is not None:
-        after = process_cpu_seconds(backend_pid)
-        report.backend_cpu_seconds = None if after is None else after - backend_cpu
-    reports.put((worker, asdict(report)))
+    reports.put((workers[0], asdict(_summed(report, threads))))
+
+
+def _abandon(threads: list[_BuyerThread], barrier: Any) -> None:
+    """A process that cannot take part: its threads stop waiting, and so do the other
+    processes and the round (they report it rather than time out)."""
+    barrier.abort()
+    for thread in threads:
+        thread.warm.abort()
+        thread.go.abort()
+    for thread in threads:
+        thread.join()
+
+
+def _summed(report: BuyerReport, threads: list[_BuyerThread]) -> BuyerReport:
+    """The process's report: its threads' figures added to `report`'s."""
+    mine = [thread.report for thread in threads]
+    report.sold = sum(each.sold for each in mine)
+    report.busy = sum(each.busy for each in mine)
+    report.capped = any(each.capped for each in mine)
+    started = [each.started_at for each in mine if each.started_at]
+    report.started_at = min(started) if started else 0.0
+    ends = [each.last_sale_at for each in mine if each.last_sale_at]
+    report.last_sale_at = max(ends) if ends else None
+    report.sale_seconds = [seconds for each in mine for seconds in each.sale_seconds]
+    report.thread_sold = [each.sold for each in mine]
+    backend = [each.backend_cpu_seconds for each in mine]
+    if backend and None not in backend:
+        report.backend_cpu_seconds = sum(seconds or 0.0 for seconds in backend)
+    errors = [report.error, *(each.error for each in mine)]
+    report.error = "\n".join(error for error in errors if error) or None
+    return report
+
+
+class _BuyerThread(threading.Thread):
+    """One buyer: its own database connection (Django opens one per thread), warm-up, then
+    buying; it reads its backend's CPU around the round, and closes its connection at the end."""
+
+    def __init__(
+        self,
+        contender: Contender,
+        worker: int,
+        duration: float,
+        warmup: int,
+        probe: Probe | None,
+        warm: threading.Barrier,
+        go: threading.Barrier,
+    ) -> None:
+        super().__init__(name=f"buyer-{worker}", daemon=True)
+        self.contender = contender
+        self.worker = worker
+        self.duration = duration
+        self.warmup = warmup
+        self.probe = probe
+        self.warm = warm
+        self.go = go
+        self.report = BuyerReport()
+        self.backend_pid: int | None = None
+
+    def run(self) -> None:
+        from django.db import connections
+
+        try:
+            self._run()
+        finally:
+            connections.close_all()  # this thread's connections
+
+    def _run(self) -> None:
+        from inventory.exceptions import Busy
+
+        contender, report = self.contender, self.report
+        try:
+            if contender.name != EVALSHA:
+                self.backend_pid = _backend_pid()
+                if self.probe is not None:
+                    self.probe.watch_connection()
+            if self.warmup:
+                # Connections, prepared statements, caches: warm before the barrier, so that a
+                # round measures selling rather than starting up.
+                warm_buy = _buyer(contender, warm_sku(contender), self.worker)
+                for _ in range(self.warmup):
+                    try:
+                        warm_buy()
+                    except Busy:
+                        pass
+            buy = _buyer(contender, contender.sku, self.worker)
+        except BaseException:
+            report.error = traceback.format_exc(limit=4)
+            self.warm.abort()
+            return
+        backend_cpu = process_cpu_seconds(self.backend_pid) if self.backend_pid else None
+        try:
+            self.warm.wait()
+            self.go.wait()
+            buy_until_done(buy, report, self.duration)
+        except threading.BrokenBarrierError:
+            return  # another buyer of the process, or the process, failed: its report says why
+        except BaseException:
+            report.error = traceback.format_exc(limit=6)
+        if backend_cpu is not None and self.backend_pid is not None:
+            # Read before the connection closes: its backend exits with it.
+            after = process_cpu_seconds(self.backend_pid)
+            report.backend_cpu_seconds = None if after is None else after - backend_cpu

@@ -7,14 +7,15 @@ redis-py's `Script` and through `locking.scripts.DirectScript`, side by side.
 Needs DATABASE_URL and REDIS_URL (or run it through `python -m shop.devservices --`); sells in
 the load-run sandbox, as `bench strategies` does.
 
-One buyer (this process) buys one unit at a time through `inventory.services.place_order`
-(`lua` the direct way: no sale writer), in alternating blocks of --sales checkouts, one way and
-then the other, --blocks times each, so that a machine whose speed drifts within the minute
-drifts for both. The two ways share one connection pool and its options; the only difference
-is the client's class: a subclass of `redis.Redis`, which `locking.scripts.script_for` leaves
-to redis-py's `Script`, or `redis.Redis` itself. It prints, per strategy, the median CPU of this
-process per sale each way and their ratio, and the same for one script call alone (the stock
-counter's take, no database). Exits 1 if a sale oversold or its stock does not add up.
+One buyer (this process) buys one unit at a time through `inventory.services.place_order` (with
+FLASHSALE_BATCH_WRITES off: `lua` and `segmented` call their own scripts for each sale), in
+alternating blocks of --sales checkouts, one way and then the other, --blocks times each, so
+that a machine whose speed drifts within the minute drifts for both. The two ways share one
+connection pool and its options; the only difference is the client's class: a subclass of
+`redis.Redis`, which `locking.scripts.script_for` leaves to redis-py's `Script`, or
+`redis.Redis` itself. It prints, per strategy, the median CPU of this process per sale each way
+and their ratio, and the same for one script call alone (the stock counter's take, no database).
+Exits 1 if a sale oversold or its stock does not add up.
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     if not isinstance(shop, redis.Redis):
         print("error: bench calls needs a single Redis (REDIS_URL), not a cluster", file=sys.stderr)
         return 2
-    settings.FLASHSALE_SALE_WRITER = ""  # lua the direct way: its own script call per sale
+    settings.FLASHSALE_BATCH_WRITES = False  # each sale's own script calls, not a batch's
     ways: dict[str, redis.Redis] = {
         "redis-py": RedisPyScripts(connection_pool=shop.connection_pool),
         "direct": shop,

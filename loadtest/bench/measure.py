@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,17 +40,6 @@ def process_cpu_seconds(pid: int) -> float | None:
     if fields is None:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def scheduled_seconds(pid: int) -> tuple[float, float] | None:
-    """(seconds on a CPU, seconds runnable and waiting for one) of a process's main thread since
-    it started, from /proc/<pid>/schedstat (Linux); None where it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/schedstat") as schedstat:
-            running, waiting = schedstat.read().split()[:2]
-        return int(running) / 1e9, int(waiting) / 1e9
-    except (OSError, ValueError):
-        return None
 
 
 def redis_cpu_seconds() -> float | None:
@@ -96,31 +86,39 @@ class Probe:
       commit), which waits for the item row while another sale holds it;
     - publish: handing the order to the order publisher after commit.
 
-    Wrappers only: the strategies' code runs unchanged.
+    Wrappers only: the strategies' code runs unchanged. `install` once per process, then
+    `watch_connection` in each buyer thread (Django's connections are the thread's own).
     """
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self._adding = threading.Lock()
+        self._watching: list[contextlib.ExitStack] = []
 
     def add(self, phase: str, seconds: float) -> None:
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+        with self._adding:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
 
     def install(self) -> None:
-        from django.db import connection
-
         import inventory.services as services
         import inventory.strategies.lock as lock_strategy
         import inventory.strategies.segmented as segmented_strategy
 
-        connection.ensure_connection()
-        self._stack = contextlib.ExitStack()
-        self._stack.enter_context(connection.execute_wrapper(self._execute))
         services.order_placed = self._timed(services.order_placed, "publish")
         acquire = self._timed_acquire(lock_strategy.acquire_lock)
         release = self._timed_release(lock_strategy.release_quietly)
         for module in (lock_strategy, segmented_strategy):
             setattr(module, "acquire_lock", acquire)  # noqa: B010 - the profile's wrappers
             setattr(module, "release_quietly", release)  # noqa: B010
+
+    def watch_connection(self) -> None:
+        """Time the sale statements sent on the calling thread's connection."""
+        from django.db import connection
+
+        connection.ensure_connection()
+        stack = contextlib.ExitStack()
+        stack.enter_context(connection.execute_wrapper(self._execute))
+        self._watching.append(stack)
 
     def _execute(self, execute: Callable[..., Any], sql: str, *args: Any) -> Any:
         """Django's execute_wrapper hook: args are params, many, context."""

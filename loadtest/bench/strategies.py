@@ -1,20 +1,27 @@
-"""Benchmark without HTTP: every strategy driven directly by buyer processes on one hot item.
+"""Benchmark without HTTP: every strategy driven directly by buyers on one hot item.
 
-    python -m loadtest.bench_strategies [--buyers 8] [--stock 5000] [--duration 10] [--warmup 25]
-        [--strategies lock,segmented,lua,optimistic,unsafe] [--hold-ms 0] [--work-ms 5]
-        [--rounds 1] [--peers redis-py,redis-py-5ms,python-redis-lock,python-redis-lock-renewal]
+    python -m loadtest.bench_strategies [--buyers 8] [--batch-threads 4] [--stock 5000]
+        [--duration 10] [--warmup 25] [--strategies lock,segmented,lua,optimistic,unsafe]
+        [--hold-ms 0] [--work-ms 5] [--work-buyers 10] [--rounds 1]
+        [--peers redis-py,redis-py-5ms,python-redis-lock,python-redis-lock-renewal]
         [--ceiling-stock 50000] [--profile] [--json PATH]
 
 Needs DATABASE_URL and REDIS_URL (or run it through `python -m shop.devservices --`).
 
-For each contender a sale of --stock units starts, --buyers processes fork, buy --warmup units
-each the same way from a sale of their own (so that connections, prepared statements and caches,
-the sale writer's included, are warm: a round measures selling, not starting up), wait at a barrier,
-and buy one unit at a time through `inventory.services.place_order` until it answers sold out
-(`Busy` is counted and retried). buys/s is units sold over the time from the barrier to the last
-sale. Contenders, all in one run so that every figure has its baseline measured beside it:
+For each contender a sale of --stock units starts and --buyers buyers, each with its own
+database connection, buy --warmup units each the same way from a sale of their own (so that
+connections, prepared statements and caches are warm: a round measures selling, not starting
+up), wait at a barrier, and buy one unit at a time through `inventory.services.place_order`
+until it answers sold out (`Busy` is counted and retried). buys/s is units sold over the time
+from the barrier to the last sale. Contenders, all in one run so that every figure has its
+baseline measured beside it:
 
-- the strategies themselves;
+- the strategies themselves, a process per buyer, with FLASHSALE_BATCH_WRITES off (`lua` and
+  `segmented` run one script and one commit per sale);
+- `lua, batched` and `segmented, batched`: the same number of buyers as threads of processes
+  of --batch-threads threads each, with FLASHSALE_BATCH_WRITES on, so that the checkouts in
+  flight in one process are written together (`inventory.batching`), as a threaded web
+  server's would be; a line under the row gives the units per commit;
 - `lock` and `segmented` again with --work-ms of simulated work inside each critical section
   (a call to another service, say), where the lock rather than the CPU limits `lock`: the case
   that shards are for;
@@ -39,9 +46,9 @@ any contender that should be safe (all but `unsafe`) oversold, is inconsistent o
 otherwise: the targets are measurements, printed as met or missed.
 
 Beside buys/s each row shows where the CPU went, per unit sold: the buyer processes (Python,
-Django, redis-py, psycopg), their PostgreSQL backends (read from /proc when PostgreSQL runs on
-this machine) and the Redis server (INFO cpu, the whole server), plus how busy the host's CPUs
-were while the contender ran.
+Django, redis-py, psycopg; all of a process's threads), their PostgreSQL backends (read from
+/proc when PostgreSQL runs on this machine) and the Redis server (INFO cpu, the whole server),
+plus how busy the host's CPUs were while the contender ran.
 """
 
 from __future__ import annotations
@@ -86,7 +93,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--buyers", type=_positive, default=8, help="buyer processes (8)")
+    parser.add_argument("--buyers", type=_positive, default=8, help="buyers per contender (8)")
+    parser.add_argument(
+        "--batch-threads",
+        type=_positive,
+        default=4,
+        help="buyers per process, as threads, for the batched rows (`lua, batched`, "
+        "`segmented, batched`): --buyers 8 makes 2 processes of 4 threads (4)",
+    )
     parser.add_argument("--stock", type=_positive, default=5000, help="units per sale (5000)")
     parser.add_argument(
         "--duration", type=_positive_float, default=10.0, help="cap per contender, seconds (10)"
@@ -267,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         if contender.name == EVALSHA:
             contender.sku = redis_key("bench", "ceiling", "evalsha", os.getpid())
     print(
-        f"{len(contenders)} contenders, {args.rounds} round(s): {args.buyers} buyer processes, "
+        f"{len(contenders)} contenders, {args.rounds} round(s): {args.buyers} buyers "
+        f"(batched: threads of processes of {args.batch_threads}), "
         f"{args.stock} units each (raw EVALSHA: {args.ceiling_stock}), cap {args.duration:g} s, "
         f"hold {args.hold_ms} ms, lock TTL {settings.FLASHSALE_LOCK_TTL_MS} ms, "
         f"{os.cpu_count()} CPUs"
@@ -307,9 +322,9 @@ def main(argv: list[str] | None = None) -> int:
         "this machine, anything else running included. p50/p99 ms: how "
         "long one sale took a buyer, from its first call for the unit, busy answers and retries "
         "included (a lock that lets its waiters sleep can sell fast and still keep some buyers "
-        "waiting long). fewest: the fewest units one buyer sold, over an even "
-        "share (1.00: every buyer alike; 0.00: a buyer that never got the lock, whose waits no "
-        "p99 over sales made can show)."
+        "waiting long). fewest: the fewest units one buyer (a process, or a thread of the "
+        "batched rows) sold, over an even share (1.00: every buyer alike; 0.00: a buyer that "
+        "never got the lock, whose waits no p99 over sales made can show)."
     )
 
     broken = sorted(
@@ -324,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "parameters": {
                         "buyers": args.buyers,
+                        "batch_threads": args.batch_threads,
                         "stock": args.stock,
                         "duration": args.duration,
                         "hold_ms": args.hold_ms,

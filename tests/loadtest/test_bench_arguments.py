@@ -20,10 +20,6 @@ from tests.conftest import server_env
         ("calls", ["--sales", "0"]),
         ("calls", ["--blocks", "x"]),
         ("calls", ["--strategies", "optimistic"]),
-        ("wake", ["--requests", "0"]),
-        ("wake", ["--pauses", "-1"]),
-        ("wake", ["--pauses", "2000"]),
-        ("wake", ["--blocks", "x"]),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_runs(benchmark, bad):

@@ -1,5 +1,5 @@
-"""`manage.py bench strategies|locks|settle|waiters|calls|wake [ARGS...]`: the benchmarks without
-HTTP (`make bench`).
+"""`manage.py bench strategies|locks|settle|waiters|calls|servers [ARGS...]`: the benchmarks
+(`make bench`).
 
 `bench strategies` is `python -m loadtest.bench_strategies` (every strategy, the peer locks
 and the ceilings, in the load-run sandbox); `bench locks` is `python -m loadtest.bench_locks`
@@ -8,10 +8,9 @@ and the ceilings, in the load-run sandbox); `bench locks` is `python -m loadtest
 is `python -m loadtest.bench_waiters` (a thousand lock waiters in one process: connections and
 hand-overs, with and without the wake hub); `bench calls` is `loadtest.bench.calls` (the CPU a
 sale spends in redis-py's command layers: the scripts called through redis-py's `Script` and
-straight down a pooled connection, side by side); `bench wake` is `loadtest.bench.wake` (what a
-wait costs the work after it: one request's CPU back to back and after a pause, and a `lua`
-checkout answered by the sale writer at once and after its linger). ARGS go to them
-as they are: `bench strategies --help` lists them.
+straight down a pooled connection, side by side); `bench servers` is `loadtest.bench.servers`
+(the server designs compared over HTTP). ARGS go to them as they are: `bench strategies --help`
+lists them.
 """
 
 from __future__ import annotations
@@ -28,19 +27,17 @@ BENCHMARKS = {
     "settle": "loadtest.bench.settle",
     "waiters": "loadtest.bench_waiters",
     "calls": "loadtest.bench.calls",
-    "wake": "loadtest.bench.wake",
     "servers": "loadtest.bench.servers",
 }
 
 
 class Command(BaseCommand):
     help = (
-        "Run a benchmark without HTTP: `bench strategies` (every strategy against the peers "
+        "Run a benchmark: `bench strategies` (every strategy against the peers "
         "and the ceilings), `bench locks` (the locks alone), `bench settle` (the order "
         "workers against a flood), `bench waiters` (lock waiters and connections), `bench "
-        "calls` (a sale's script calls through redis-py's layers and without them) or `bench "
-        "wake` (a request's CPU back to back and after a wait); the "
-        "arguments after it go to the benchmark "
+        "calls` (a sale's script calls through redis-py's layers and without them), or `bench "
+        "servers` (the server designs over HTTP); the arguments after it go to the benchmark "
         "(`bench strategies --help`)."
     )
 
