@@ -77,7 +77,21 @@ class CircuitBreaker:
         retry_at = self._retry_at
         if retry_at is None:
             return True
-        if time.monotonic() < retry_at or not self._trial_lock.acquire(blocking=False):
+        if time.monotonic() < retry_at:
+            return False
+        return self._start_probe(trial=True)
+
+    def probe_soon(self) -> None:
+        """Start the probe in its thread now, the wait not yet run out, unless one runs: for a
+        caller that has seen the dependency answer (a health check), which it must not wait
+        for (the probe rebuilds what the outage left wrong, which may take long)."""
+        if self._retry_at is not None and self._probe is not None:
+            self._start_probe(trial=False)
+
+    def _start_probe(self, *, trial: bool) -> bool:
+        """Start the probe's thread unless a probe runs; with no probe, let this caller be the
+        trial when `trial`. Whether the caller may use the dependency."""
+        if not self._trial_lock.acquire(blocking=False):
             return False
         if self._retry_at is None:
             self._trial_lock.release()
@@ -87,7 +101,7 @@ class CircuitBreaker:
         if self._probe is None:
             # This caller is the trial.
             self._trial_lock.release()
-            return True
+            return trial
         try:
             self._prober = threading.Thread(
                 target=self._run_probe, name=f"{self.metric}-breaker-probe", daemon=True
@@ -97,17 +111,6 @@ class CircuitBreaker:
             self._trial_lock.release()
             raise
         return False
-
-    def probe_now(self) -> bool:
-        """Run the probe in this thread, unless one is running: whether the breaker is closed
-        after it. For callers that may wait (a health check), so that the process agrees with
-        what they saw at once."""
-        if self._retry_at is None:
-            return True
-        if self._probe is None or not self._trial_lock.acquire(blocking=False):
-            return False
-        self._probe_holding_the_trial()
-        return self._retry_at is None
 
     def settle(self, timeout: float) -> None:
         """Wait for a probe in flight to end (at most `timeout` seconds)."""

@@ -263,9 +263,9 @@ def health() -> dict[str, Any]:
     except REDIS_DOWN_ERRORS as exc:
         redis_state = f"down: {exc.__class__.__name__}"
     if redis_state == "ok" and breaker.is_open:
-        # Let this process's breaker probe now (and rebuild) rather than after its next
-        # checkout, so that /healthz of every process agrees once Redis is back.
-        breaker.probe_now()
+        # Let this process's breaker probe now (and rebuild, in its thread: this answer does
+        # not wait for it) rather than after its next checkout.
+        breaker.probe_soon()
     return {
         "database": database,
         "redis": redis_state,

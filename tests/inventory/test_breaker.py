@@ -87,15 +87,31 @@ def test_a_probe_that_raises_something_else_is_logged_and_keeps_it_open(caplog):
     assert len(failed) == 2
 
 
-def test_probe_now_runs_the_probe_in_the_callers_thread():
+def test_probe_soon_starts_the_probe_before_its_wait_is_over_without_waiting_for_it():
+    # Given an open breaker whose wait is not over, and whose probe blocks until let go
+    started, go = threading.Event(), threading.Event()
     threads = []
-    breaker = _breaker(lambda: threads.append(threading.current_thread()), probe_seconds=60)
+
+    def probe() -> None:
+        threads.append(threading.current_thread())
+        started.set()
+        go.wait(10)
+
+    breaker = _breaker(probe, probe_seconds=60)
     breaker.record_failure(ConnectionError("down"))
-    # (its wait not over: allow() would not probe)
     assert breaker.allow() is False and threads == []
 
-    assert breaker.probe_now() is True
-    assert threads == [threading.current_thread()] and not breaker.is_open
+    # When a health check, which saw the dependency answer, asks for a probe
+    breaker.probe_soon()
+
+    # Then the probe runs in its own thread and the call has returned while it still runs
+    assert started.wait(5)
+    assert threads and threads[0] is not threading.current_thread()
+    assert breaker.is_open
+    breaker.probe_soon()  # a second ask while one runs starts none
+    go.set()
+    breaker.settle(timeout=5)
+    assert not breaker.is_open and len(threads) == 1
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
