@@ -646,9 +646,7 @@ class BatchInFlight:
         self._results: list[psycopg.pq.abc.PGresult] = []
         #: The connection (a Django database wrapper) it is sent on: the thread's default one
         #: unless named.
-        self.database = wrapper = database or connections[DEFAULT_DB_ALIAS]
-        wrapper.close_if_health_check_failed()
-        wrapper.ensure_connection()
+        self.database = wrapper = checked_connection(database)
         if wrapper.in_atomic_block:
             raise ValueError("a batch in flight must be sent outside a transaction")
         raw = wrapper.connection
@@ -803,6 +801,26 @@ class SaleRecorder:
         }
 
 
+def checked_connection(database: Any = None) -> Any:
+    """`database` (a Django database wrapper; the thread's default one unless given), connected,
+    its connection replaced first if the server has closed it (a restart, a failover,
+    `pg_terminate_backend`, an idle timeout), so that no statement is sent on a dead one.
+
+    Django checks a reused connection once, at the start of a request or task
+    (CONN_HEALTH_CHECKS); a process that serves neither (the sale writer) would never check it
+    again. So it is checked before each statement sent outside a transaction: a look at its
+    socket, no round trip (`shop.postgresql`). Inside one it is never replaced (the transaction
+    would be lost with it).
+    """
+    # once: each `connection.x` is a thread-local lookup
+    wrapper = database or connections[DEFAULT_DB_ALIAS]
+    if wrapper.autocommit and not wrapper.in_atomic_block:
+        wrapper.health_check_done = False
+    wrapper.close_if_health_check_failed()
+    wrapper.ensure_connection()
+    return wrapper
+
+
 class _PreparingCursor(psycopg.Cursor):
     """A server-side binding cursor whose statements are prepared on their first execution."""
 
@@ -820,12 +838,7 @@ def prepared_cursor(database: Any = None) -> Any:
     no `prepare_threshold` and psycopg ignores `prepare=True`, so the same code runs unprepared.
     On `database` (a Django database wrapper) when given, else the thread's default connection.
     """
-    # once: each `connection.x` is a thread-local lookup
-    wrapper = database or connections[DEFAULT_DB_ALIAS]
-    # What Django's own cursor() does first: a connection the server closed while idle
-    # (restart, failover, idle timeout) is replaced before use, not found dead mid-checkout.
-    wrapper.close_if_health_check_failed()
-    wrapper.ensure_connection()
+    wrapper = checked_connection(database)
     raw = _PreparingCursor(wrapper.connection)
     if wrapper.queries_logged:
         return _PreparedDebugWrapper(raw, wrapper)

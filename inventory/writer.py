@@ -1183,7 +1183,7 @@ class SaleWriter:
                     detail = f"{request['sku']}: every shard holding {request['qty']} stayed locked"
                 else:
                     why = "its batch failed" if answer["o"] == "failed" else "it cannot sell it"
-                    detail = f"{request['sku']}: the sale writer's {why}"
+                    detail = f"{request['sku']}: the sale writer did not sell it ({why})"
                 busy = Busy(detail, retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER)
                 retry = [("Retry-After", str(busy.retry_after))]
                 buyer.refused(busy.code, busy.detail, busy.status, retry)
