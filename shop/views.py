@@ -13,10 +13,11 @@ from django.conf import settings
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.templatetags.static import static
+from django.views import defaults
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_http_methods
 
-from inventory import selectors, services
+from inventory import api, selectors, services
 from inventory.exceptions import Busy, CheckoutError, InvalidRequest, LimitReached
 from inventory.models import LIVE_STATUSES, BuyerAllowance, Item, Order, OrderStatus
 
@@ -151,3 +152,23 @@ def order_page(request: HttpRequest, order_id: UUID) -> HttpResponse:
 def favicon(request: HttpRequest) -> HttpResponse:
     """/favicon.ico, which browsers ask for on pages that name no icon (the admin's)."""
     return redirect(static("shop/favicon.svg"), permanent=True)
+
+
+def _for_the_api(request: HttpRequest) -> bool:
+    return request.path.startswith("/api/")
+
+
+def bad_request(request: HttpRequest, exception: Exception) -> HttpResponse:
+    """Django's 400 page (a request it refused before any view: a bad Host header, say); under
+    /api/, the API's JSON error."""
+    if _for_the_api(request):
+        return api.error_response("invalid", f"the request was refused: {exception}", 400)
+    return defaults.bad_request(request, exception)
+
+
+def server_error(request: HttpRequest) -> HttpResponse:
+    """Django's 500 page (a view failed unexpectedly); under /api/, the API's JSON error."""
+    if _for_the_api(request):
+        detail = "the server failed to answer this request (its log says why); try again"
+        return api.error_response("error", detail, 500)
+    return defaults.server_error(request)
