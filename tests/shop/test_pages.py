@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import re
+import time
 import uuid
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import requests
@@ -17,6 +19,7 @@ from django.contrib.auth.models import Permission, User
 from django.test import Client
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
+from inventory import models
 from inventory.models import Order, OrderStatus
 from inventory.services import place_order, start_sale
 from loadtest.models import SaleRun
@@ -298,6 +301,31 @@ def test_a_buyer_at_the_limit_sees_it_and_cannot_buy(shop_server, page):
     page.get_by_label("Your name").fill("gus")
     expect(page.get_by_role("button", name="Buy now")).to_be_enabled()
     expect(page.locator("[data-sale-message]")).to_be_hidden()
+
+
+def test_two_orders_placed_in_the_same_millisecond_have_different_names(
+    shop_server, page, monkeypatch
+):
+    # Given two orders placed within one millisecond (the clock their ids are made by, stopped)
+    sku = _sku("twins")
+    start_sale(sku=sku, stock=5, strategy="lua", name="Twins")
+    stopped = time.time_ns()
+    monkeypatch.setattr(models, "time", SimpleNamespace(time_ns=lambda: stopped))
+    first, second = (place_order(sku=sku, qty=1, buyer=buyer).order for buyer in ("ann", "bob"))
+    assert first.public_id.int >> 80 == second.public_id.int >> 80
+
+    # When each order's page is shown
+    names = []
+    for order in (first, second):
+        page.goto(f"{shop_server.url}/orders/{order.public_id}/")
+        heading = page.get_by_role("heading", level=1)
+        expect(heading).to_have_text(re.compile(r"^Order "))
+        names.append(heading.inner_text())
+
+    # Then they are named apart, each by its id's random tail, in the tab's title too
+    assert names[0] != names[1], names
+    assert names == [f"Order {str(order.public_id)[-12:]}" for order in (first, second)]
+    expect(page).to_have_title(f"{names[1]} · flashsale")
 
 
 def test_the_fallback_banner_shows_while_redis_is_down(page):
