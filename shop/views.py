@@ -18,7 +18,7 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_http_methods
 
 from inventory import api, selectors, services
-from inventory.exceptions import Busy, CheckoutError, InvalidRequest, LimitReached
+from inventory.exceptions import Busy, CheckoutError, InvalidRequest
 from inventory.models import LIVE_STATUSES, BuyerAllowance, Item, Order, OrderStatus
 
 #: Statuses after which an order page stops polling.
@@ -82,7 +82,8 @@ def item_page(request: HttpRequest, sku: str) -> HttpResponse:
     buyer = _buyer_name(request)
     qty = 1
     if request.method == "POST":
-        buyer = request.POST.get("buyer", "").strip()[:64] or buyer
+        # The form shows the name it was sent with, not a remembered one it may complain about.
+        buyer = request.POST.get("buyer", "").strip()[:64]
         try:
             buyer, qty = _parse_order_form(request)
             result = services.place_order(
@@ -106,17 +107,35 @@ def item_page(request: HttpRequest, sku: str) -> HttpResponse:
     max_qty = settings.FLASHSALE_MAX_QTY if limit_left is None else max(1, limit_left)
     sale = item.current_sale
     now = selectors.database_now()
+    # Reached only when the buyer holds all one buyer may: asking for more than the limit
+    # allows (`LimitReached` for a buyer who holds fewer) leaves the form usable.
+    limit_reached = limit_left == 0
+    not_started = sale is not None and sale.opens_at > now
+    if sale is None:
+        phase = "not_on_sale"
+    elif not_started:
+        phase = "not_started"
+    elif not item.units_left:
+        phase = "sold_out"
+    elif limit_reached:
+        phase = "limit_reached"
+    else:
+        phase = "on_sale"
     context = {
         "item": item,
         "sale": sale,
         "error": error,
         "error_code": error.code if error else "",
         "buyer": buyer,
+        "asked": qty,
         "qty": min(max(qty, 1), max_qty),
         "held": held,
         "limit_left": limit_left,
-        "limit_reached": isinstance(error, LimitReached) or limit_left == 0,
-        "not_started": sale is not None and sale.opens_at > now,
+        "limit_reached": limit_reached,
+        "not_started": not_started,
+        "phase": phase,
+        # A quantity is offered while the item is or will be on sale for this buyer.
+        "offers_quantity": phase in ("on_sale", "not_started"),
         "now": now,
         "idempotency_key": uuid.uuid4().hex,
         "max_qty": max_qty,
