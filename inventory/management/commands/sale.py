@@ -9,6 +9,7 @@ import os
 from decimal import Decimal, InvalidOperation
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.template.defaultfilters import pluralize
 
 from inventory import orders, selectors, services
 from inventory.exceptions import CheckoutError
@@ -107,14 +108,16 @@ class Command(BaseCommand):
         )
         limit = f", at most {sale.per_buyer_limit} per buyer" if sale.per_buyer_limit else ""
         self.stdout.write(
-            f"sale {sale.pk} of {sale.item.sku} started: {sale.initial_stock} units through "
+            f"sale {sale.pk} of {sale.item.sku} started: {sale.initial_stock} "
+            f"unit{pluralize(sale.initial_stock)} through "
             f"{sale.strategy}{limit}"
         )
 
     def _restock(self, options: dict) -> None:
-        sale = services.restock(sku=options["sku"], units=options["add"])
+        added = options["add"]
+        sale = services.restock(sku=options["sku"], units=added)
         self.stdout.write(
-            f"sale {sale.pk} of {sale.item.sku}: {options['add']} units added "
+            f"sale {sale.pk} of {sale.item.sku}: {added} unit{pluralize(added)} added "
             f"({sale.initial_stock} at the start, {sale.supply} in all)"
         )
 
@@ -164,7 +167,8 @@ class Command(BaseCommand):
                 os.setpriority(os.PRIO_PROCESS, 0, niceness)
         stats = writer.stats()
         self.stdout.write(
-            f"sale writer stopped: {stats['sales']} sales in {stats['batches']} batches"
+            f"sale writer stopped: {stats['sales']} sale{pluralize(stats['sales'])} in "
+            f"{stats['batches']} batch{pluralize(stats['batches'], 'es')}"
         )
 
     def _audit(self, options: dict) -> None:
