@@ -33,6 +33,7 @@ import orjson
 import psycopg
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, OperationalError, connection, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 from django.db.models import F
 from django.db.models.base import ModelState
@@ -801,7 +802,7 @@ class SaleRecorder:
         }
 
 
-def checked_connection(database: Any = None) -> Any:
+def checked_connection(database: Any = None) -> BaseDatabaseWrapper:
     """`database` (a Django database wrapper; the thread's default one unless given), connected,
     its connection replaced first if the server has closed it (a restart, a failover,
     `pg_terminate_backend`, an idle timeout), so that no statement is sent on a dead one.
@@ -813,9 +814,9 @@ def checked_connection(database: Any = None) -> Any:
     would be lost with it).
     """
     # once: each `connection.x` is a thread-local lookup
-    wrapper = database or connections[DEFAULT_DB_ALIAS]
+    wrapper: BaseDatabaseWrapper = database or connections[DEFAULT_DB_ALIAS]
     if wrapper.autocommit and not wrapper.in_atomic_block:
-        wrapper.health_check_done = False
+        wrapper.health_check_done = False  # type: ignore[attr-defined]  # (not in the stubs)
     wrapper.close_if_health_check_failed()
     wrapper.ensure_connection()
     return wrapper
