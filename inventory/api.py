@@ -22,7 +22,7 @@ from django.http import HttpRequest, JsonResponse
 from django.urls import Resolver404, resolve
 from django.views.decorators.csrf import csrf_exempt
 
-from . import metrics, selectors, services, writer
+from . import selectors, services, writer
 from .exceptions import Busy, CheckoutError, InvalidRequest
 from .models import SKU_PATTERN, Order
 from .strategies.plumbing import lock_wait_seconds
@@ -127,20 +127,16 @@ def checkout(request: HttpRequest) -> JsonResponse:
     answer, which the client never sees."""
     if request.method != "POST":
         return method_not_allowed(request, "POST")
-    started = time.perf_counter()
     began = time.monotonic()
     lock_wait_seconds.set(0.0)
-    services.checkout_strategy.set(metrics.NO_STRATEGY)
     offered = writer.CLIENT in request.META and not request.META.get(writer.DIRECT)
-    try:
-        with writer.handing_off(offered):
-            response, outcome = _checkout(request)
-    except writer.HandedOff as handed:
-        request.META[writer.HAND_OFF] = writer.HandOff(handed, request.body, began)
-        response, outcome = JsonResponse({}, status=202), "handed_off"
-    metrics.checkout_answered(
-        services.checkout_strategy.get(), outcome, time.perf_counter() - started
-    )
+    with services.counted_checkout() as counted:
+        try:
+            with writer.handing_off(offered):
+                response, counted.outcome = _checkout(request)
+        except writer.HandedOff as handed:
+            request.META[writer.HAND_OFF] = writer.HandOff(handed, request.body, began)
+            response, counted.outcome = JsonResponse({}, status=202), "handed_off"
     waited = lock_wait_seconds.get()
     if waited:
         response["Server-Timing"] = f"lock;dur={waited * 1000:.2f}"

@@ -84,18 +84,21 @@ def item_page(request: HttpRequest, sku: str) -> HttpResponse:
     if request.method == "POST":
         # The form shows the name it was sent with, not a remembered one it may complain about.
         buyer = request.POST.get("buyer", "").strip()[:64]
-        try:
-            buyer, qty = _parse_order_form(request)
-            result = services.place_order(
-                sku=item.sku,
-                qty=qty,
-                buyer=buyer,
-                # One key per rendered form: a double submit gets the first order back.
-                idempotency_key=_form_key(request),
-            )
-        except CheckoutError as exc:
-            error = exc
-        else:
+        with services.counted_checkout() as counted:  # as the API's checkouts are
+            try:
+                buyer, qty = _parse_order_form(request)
+                result = services.place_order(
+                    sku=item.sku,
+                    qty=qty,
+                    buyer=buyer,
+                    # One key per rendered form: a double submit gets the first order back.
+                    idempotency_key=_form_key(request),
+                )
+            except CheckoutError as exc:
+                error, counted.outcome = exc, exc.code
+            else:
+                counted.outcome = "accepted"
+        if error is None:
             request.session["buyer"] = buyer
             return redirect("order", order_id=result.order.public_id)
         if buyer and len(buyer) <= 64 and buyer.isprintable():
