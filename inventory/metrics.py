@@ -92,19 +92,20 @@ def export_before_use(
 ) -> None:
     """Export, at 0, every series an operator alerts on before its first event (a breaker open,
     a fallback checkout, a lock lost, a renewal, a reconciler repair): a dashboard or an alert
-    then reads 0, not "no data". Called as each process starts (`InventoryConfig.ready`)."""
+    then reads 0, not "no data". Called as each process starts (`InventoryConfig.ready`).
+
+    Each series is written, not only created (`inc(0)`): in multiprocess mode that is what puts
+    it in this process's own file, also in a process forked from one that made it."""
+    counters = [FALLBACK_CHECKOUTS.labels(strategy) for strategy in redis_strategies]
+    for strategy in lock_strategies:
+        counters += [LOCKS_LOST.labels(strategy, how) for how in ("watchdog", "fenced")]
+        counters += [WATCHDOG_RENEWALS.labels(strategy, done) for done in ("renewed", "failed")]
+    for store in ("redis", "database"):
+        counters += [RECONCILER_REPAIRS.labels(store), RECONCILER_DRIFT_UNITS.labels(store)]
+    for counter in counters:
+        counter.inc(0)
     for name in breakers:
         BREAKER_OPEN.labels(name).set(0)
-    for strategy in redis_strategies:
-        FALLBACK_CHECKOUTS.labels(strategy)
-    for strategy in lock_strategies:
-        for how in ("watchdog", "fenced"):
-            LOCKS_LOST.labels(strategy, how)
-        for outcome in ("renewed", "failed"):
-            WATCHDOG_RENEWALS.labels(strategy, outcome)
-    for store in ("redis", "database"):
-        RECONCILER_REPAIRS.labels(store)
-        RECONCILER_DRIFT_UNITS.labels(store)
 
 
 def checkout_answered(strategy: str, outcome: str, seconds: float) -> None:

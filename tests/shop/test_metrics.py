@@ -27,7 +27,7 @@ from inventory.strategies.base import Allocation
 from inventory.tasks import give_back_task
 from shop.processes.ports import free_port
 from shop.processes.servers import PROJECT_DIR as ROOT
-from shop.processes.servers import stop_group
+from shop.processes.servers import ShopServer, stop_group
 from tests.conftest import (
     TEST_API_TOKEN,
     answers_ok,
@@ -176,11 +176,15 @@ def _zeros(samples: dict) -> list[tuple[str, dict[str, str]]]:
 
 
 @pytest.mark.usefixtures("no_queued_orders")
-def test_what_an_operator_alerts_on_is_exported_as_0_before_it_first_happens():
-    # Given a shop and a Celery worker that have just started, nothing sold, nothing gone wrong
+@pytest.mark.parametrize("preload", [False, True], ids=["workers-load-the-app", "preloaded"])
+def test_what_an_operator_alerts_on_is_exported_as_0_before_it_first_happens(preload):
+    # Given a shop (its app loaded by each worker, or once before they fork, as load runs do)
+    # and a Celery worker that have just started, nothing sold, nothing gone wrong
     port = free_port()
     worker = start_worker(FLASHSALE_WORKER_METRICS_PORT=port)
-    server = start_shop(FLASHSALE_METRICS_LOOPBACK="true")
+    server = ShopServer(
+        env=server_env(FLASHSALE_METRICS_LOOPBACK="true"), workers=2, preload=preload
+    ).start()
     try:
         # When each is scraped
         web = _scrape(server.url)
