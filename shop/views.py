@@ -184,7 +184,9 @@ def bad_request(request: HttpRequest, exception: Exception) -> HttpResponse:
     """Django's 400 page (a request it refused before any view: a bad Host header, say); under
     /api/, the API's JSON error."""
     if _for_the_api(request):
-        return api.error_response("invalid", f"the request was refused: {exception}", 400)
+        # (what was wrong is logged; its text may name the server's settings)
+        detail = "the request was refused before it reached the API (a Host it does not serve?)"
+        return api.error_response("invalid", detail, 400)
     return defaults.bad_request(request, exception)
 
 
