@@ -1,6 +1,9 @@
 """The JSON API. Views parse and validate, call one service or selector, render.
 
-Errors are always `{"error": CODE, "detail": ...}`.
+Errors are always `{"error": CODE, "detail": ...}`, a path no endpoint has included
+(`not_found`; `shop.views` answers Django's own 400 and 500 so under /api/). Every view is
+CSRF-exempt, as load tools need: a method a view does not take is answered 405, never refused
+as a page's form would be.
 """
 
 from __future__ import annotations
@@ -8,7 +11,6 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
@@ -16,9 +18,10 @@ from uuid import UUID
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, JsonResponse
+from django.urls import Resolver404, resolve
 from django.views.decorators.csrf import csrf_exempt
 
-from . import metrics, selectors, services
+from . import selectors, services
 from .exceptions import Busy, CheckoutError, InvalidRequest
 from .models import SKU_PATTERN, Order
 from .strategies.plumbing import lock_wait_seconds
@@ -120,13 +123,9 @@ def checkout(request: HttpRequest) -> JsonResponse:
     """POST /api/checkout: validate, sell through the item's strategy, answer."""
     if request.method != "POST":
         return method_not_allowed(request, "POST")
-    started = time.perf_counter()
     lock_wait_seconds.set(0.0)
-    services.checkout_strategy.set(metrics.NO_STRATEGY)
-    response, outcome = _checkout(request)
-    metrics.checkout_answered(
-        services.checkout_strategy.get(), outcome, time.perf_counter() - started
-    )
+    with services.counted_checkout() as counted:
+        response, counted.outcome = _checkout(request)
     waited = lock_wait_seconds.get()
     if waited:
         response["Server-Timing"] = f"lock;dur={waited * 1000:.2f}"
@@ -203,6 +202,7 @@ def _may_audit(request: HttpRequest) -> bool:
     return bool(user and user.is_active and user.is_staff)
 
 
+@csrf_exempt
 def item_audit(request: HttpRequest, sku: str) -> JsonResponse:
     """`sale audit SKU --json` over HTTP, for load tools running on another machine: for staff,
     or with the bearer token FLASHSALE_API_TOKEN."""
@@ -226,6 +226,7 @@ def item_audit(request: HttpRequest, sku: str) -> JsonResponse:
 MAX_ITEMS_PER_REQUEST = 100
 
 
+@csrf_exempt
 def item_list(request: HttpRequest) -> JsonResponse:
     """Several items in one answer: those named by repeated `sku` parameters, else every item
     on sale. The storefront's list polls this, once for all its cards.
@@ -254,6 +255,7 @@ def item_list(request: HttpRequest) -> JsonResponse:
     )
 
 
+@csrf_exempt
 def item_detail(request: HttpRequest, sku: str) -> JsonResponse:
     if request.method != "GET":
         return method_not_allowed(request, "GET")
@@ -263,14 +265,31 @@ def item_detail(request: HttpRequest, sku: str) -> JsonResponse:
         return checkout_error_response(error)
 
 
-def order_detail(request: HttpRequest, order_id: UUID) -> JsonResponse:
+@csrf_exempt
+def order_detail(request: HttpRequest, order_id: str) -> JsonResponse:
     if request.method != "GET":
         return method_not_allowed(request, "GET")
     try:
-        order = selectors.get_order(order_id)
-    except Order.DoesNotExist:
+        order = selectors.get_order(UUID(order_id))
+    except (ValueError, Order.DoesNotExist):  # (ValueError: not a UUID, so no order's id)
         return error_response("unknown_order", f"no order {order_id}", 404)
     return JsonResponse(selectors.order_payload(order))
+
+
+@csrf_exempt
+def not_found(request: HttpRequest) -> JsonResponse:
+    """Any path under /api/ that no endpoint has, whatever the method. The API's paths end
+    without a slash (the pages' with one): a path that only has one too many says which is
+    meant."""
+    detail = f"no API endpoint at {request.path}"
+    meant = request.path.rstrip("/")
+    if meant != request.path:
+        try:
+            if resolve(meant).func is not not_found:
+                detail += f"; did you mean {meant}?"
+        except Resolver404:
+            pass
+    return error_response("not_found", detail, 404)
 
 
 def healthz(request: HttpRequest) -> JsonResponse:

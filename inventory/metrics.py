@@ -9,6 +9,8 @@ one of OUTCOMES (for a renewal: `renewed` or `failed`), `how` a lock was lost `w
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import Counter, Gauge, Histogram
 
 #: How a checkout was answered: accepted (201), or the API's error code; any other answer
@@ -82,6 +84,27 @@ BREAKER_OPEN = Gauge(
 
 #: The `strategy` of a checkout for no item on sale (an unknown sku, a request that is invalid).
 NO_STRATEGY = "none"
+
+
+def export_before_use(
+    *, breakers: Iterable[str], redis_strategies: Iterable[str], lock_strategies: Iterable[str]
+) -> None:
+    """Export, at 0, every series an operator alerts on before its first event (a breaker open,
+    a fallback checkout, a lock lost, a renewal, a reconciler repair): a dashboard or an alert
+    then reads 0, not "no data". Called as each process starts (`InventoryConfig.ready`).
+
+    Each series is written, not only created (`inc(0)`): in multiprocess mode that is what puts
+    it in this process's own file, also in a process forked from one that made it."""
+    counters = [FALLBACK_CHECKOUTS.labels(strategy) for strategy in redis_strategies]
+    for strategy in lock_strategies:
+        counters += [LOCKS_LOST.labels(strategy, how) for how in ("watchdog", "fenced")]
+        counters += [WATCHDOG_RENEWALS.labels(strategy, done) for done in ("renewed", "failed")]
+    for store in ("redis", "database"):
+        counters += [RECONCILER_REPAIRS.labels(store), RECONCILER_DRIFT_UNITS.labels(store)]
+    for counter in counters:
+        counter.inc(0)
+    for name in breakers:
+        BREAKER_OPEN.labels(name).set(0)
 
 
 def checkout_answered(strategy: str, outcome: str, seconds: float) -> None:

@@ -258,8 +258,9 @@ class Order(models.Model):
 
     @property
     def reference(self) -> str:
-        """A short name for the order on its page (its public id's first 8 characters)."""
-        return str(self.public_id)[:8]
+        """A short name for the order on its page: its public id's last 12 hex digits, 48 of its
+        random bits (its first ones are the millisecond it was placed, which orders share)."""
+        return str(self.public_id)[-12:]
 
 
 class PaymentAttempt(models.Model):

@@ -24,6 +24,7 @@ from datetime import timedelta
 from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import Q, Sum
+from django.template.defaultfilters import pluralize
 from django.utils import timezone
 
 from . import metrics, stock
@@ -356,7 +357,10 @@ def reconcile_sale(sku: str) -> list[str]:
         accepted = live.aggregate(units=Sum("qty"))["units"] or 0
         expected = sale.supply - accepted
         if expected < 0:
-            changes.append(f"{sku}: oversold by {-expected} units; nothing to repair it with")
+            changes.append(
+                f"{sku}: oversold by {-expected} unit{pluralize(-expected)}; "
+                "nothing to repair it with"
+            )
             return changes
         if item.shard_count:
             expected_rows = dict(

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -22,7 +23,7 @@ from django.db import (
 )
 from django.db.models import F
 
-from . import keys, stock
+from . import keys, metrics, stock
 from .deadline import checkout_deadline
 from .exceptions import (
     Busy,
@@ -45,6 +46,31 @@ logger = logging.getLogger(__name__)
 #: The strategy of the item this checkout reached (its metrics' label); the caller sets it
 #: before each checkout.
 checkout_strategy: ContextVar[str] = ContextVar("checkout_strategy", default="none")
+
+
+@dataclass
+class CountedCheckout:
+    """A checkout being answered (`counted_checkout`): its outcome, `accepted` or the error's
+    code (`inventory.metrics.OUTCOMES`), `error` until its entry point says otherwise."""
+
+    outcome: str = "error"
+
+
+@contextmanager
+def counted_checkout() -> Iterator[CountedCheckout]:
+    """Count one checkout, from whichever entry point (the API, the storefront's form), once:
+    in `flashsale_checkouts_total` by its item's strategy (`checkout_strategy`, `none` for no
+    item) and the outcome the entry point sets, timed from here to the block's end. One that
+    raises is counted `error`."""
+    checkout_strategy.set(metrics.NO_STRATEGY)
+    started = time.perf_counter()
+    checkout = CountedCheckout()
+    try:
+        yield checkout
+    finally:
+        seconds = time.perf_counter() - started
+        metrics.checkout_answered(checkout_strategy.get(), checkout.outcome, seconds)
+
 
 ALLOWANCE_LIMIT_CONSTRAINT = "allowance_within_limit"
 #: What a database that is down or restarting raises (and a connection it dropped): a checkout

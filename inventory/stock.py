@@ -33,6 +33,7 @@ import orjson
 import psycopg
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, OperationalError, connection, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 from django.db.models import F
 from django.db.models.base import ModelState
@@ -498,6 +499,9 @@ def _after_refusal(
         raise RowLockTimeout(message)
     if sqlstate not in _REFUSED_SQLSTATES:
         return None
+    if len(requests) == 1 and not requests[0].get("levels") and sqlstate in _ONE_REFUSED:
+        # A batch of one: the refusal names its reason, no need to write it again to learn it.
+        return [Written(_ONE_REFUSED[sqlstate], None, at)]
     # A lock holder's request (fenced, answered its levels) is answered `AGAIN`: its holder
     # writes it on its own (`sell`), which tells a short row from a refused token.
     others = [request for request in requests if not request.get("levels")]
@@ -609,6 +613,9 @@ WHERE (SELECT count(*) FROM locked) >= 0
 #: What makes the set-based statement refuse a whole batch: a row short or a sale restarted
 #: (HALF_DONE_SQLSTATE), an idempotency key taken, a buyer's allowance exceeded.
 _REFUSED_SQLSTATES = frozenset({"FS001", "23505", "23514"})
+#: What the refusal of a batch of one says of its one sale, where it says it for sure (a row
+#: short and a sale restarted raise the same FS001).
+_ONE_REFUSED = {"23505": Outcome.DUPLICATE, "23514": Outcome.LIMIT}
 
 
 #: How the batch's statement and the sale writer's messages are written: JSON without spaces,
@@ -819,6 +826,26 @@ class SaleRecorder:
         }
 
 
+def checked_connection(database: Any = None) -> BaseDatabaseWrapper:
+    """`database` (a Django database wrapper; the thread's default one unless given), connected,
+    its connection replaced first if the server has closed it (a restart, a failover,
+    `pg_terminate_backend`, an idle timeout), so that no statement is sent on a dead one.
+
+    Django checks a reused connection once, at the start of a request or task
+    (CONN_HEALTH_CHECKS); one terminated later (mid-request, between a batch's statements, in
+    a thread that serves none) would go unchecked. So it is checked before each statement sent
+    outside a transaction: a look at its socket, no round trip (`shop.postgresql`). Inside one
+    it is never replaced (the transaction would be lost with it).
+    """
+    # once: each `connection.x` is a thread-local lookup
+    wrapper: BaseDatabaseWrapper = database or connections[DEFAULT_DB_ALIAS]
+    if wrapper.autocommit and not wrapper.in_atomic_block:
+        wrapper.health_check_done = False  # type: ignore[attr-defined]  # (not in the stubs)
+    wrapper.close_if_health_check_failed()
+    wrapper.ensure_connection()
+    return wrapper
+
+
 class _PreparingCursor(psycopg.Cursor):
     """A server-side binding cursor whose statements are prepared on their first execution."""
 
@@ -836,12 +863,7 @@ def prepared_cursor(database: Any = None) -> Any:
     no `prepare_threshold` and psycopg ignores `prepare=True`, so the same code runs unprepared.
     On `database` (a Django database wrapper) when given, else the thread's default connection.
     """
-    # once: each `connection.x` is a thread-local lookup
-    wrapper = database or connections[DEFAULT_DB_ALIAS]
-    # What Django's own cursor() does first: a connection the server closed while idle
-    # (restart, failover, idle timeout) is replaced before use, not found dead mid-checkout.
-    wrapper.close_if_health_check_failed()
-    wrapper.ensure_connection()
+    wrapper = checked_connection(database)
     raw = _PreparingCursor(wrapper.connection)
     if wrapper.queries_logged:
         return _PreparedDebugWrapper(raw, wrapper)

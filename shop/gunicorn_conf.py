@@ -32,6 +32,18 @@ def on_starting(server: Any) -> None:
     directory.mkdir(parents=True)
 
 
+def post_fork(server: Any, worker: Any) -> None:
+    """A worker forked from a master that loaded the app (`--preload`): its alerting series,
+    at 0, under its own pid (the master's files went when `on_starting` emptied the directory).
+    Otherwise the worker loads the app, which exports them, itself."""
+    from django.apps import apps
+
+    if apps.ready:
+        from inventory.apps import export_metrics_before_use
+
+        export_metrics_before_use()
+
+
 def child_exit(server: Any, worker: Any) -> None:
     """A worker exited: its gauges are dropped from the sums."""
     from prometheus_client import multiprocess

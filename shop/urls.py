@@ -20,3 +20,7 @@ urlpatterns = [
     # Browsers ask for /favicon.ico on pages that name no icon (the admin's).
     path("favicon.ico", views.favicon),
 ]
+
+# Under /api/ these answer the API's JSON errors, elsewhere Django's pages.
+handler400 = views.bad_request
+handler500 = views.server_error

@@ -13,11 +13,12 @@ from django.conf import settings
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.templatetags.static import static
+from django.views import defaults
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_http_methods
 
-from inventory import selectors, services
-from inventory.exceptions import Busy, CheckoutError, InvalidRequest, LimitReached
+from inventory import api, selectors, services
+from inventory.exceptions import Busy, CheckoutError, InvalidRequest
 from inventory.models import LIVE_STATUSES, BuyerAllowance, Item, Order, OrderStatus
 
 #: Statuses after which an order page stops polling.
@@ -81,19 +82,23 @@ def item_page(request: HttpRequest, sku: str) -> HttpResponse:
     buyer = _buyer_name(request)
     qty = 1
     if request.method == "POST":
-        buyer = request.POST.get("buyer", "").strip()[:64] or buyer
-        try:
-            buyer, qty = _parse_order_form(request)
-            result = services.place_order(
-                sku=item.sku,
-                qty=qty,
-                buyer=buyer,
-                # One key per rendered form: a double submit gets the first order back.
-                idempotency_key=_form_key(request),
-            )
-        except CheckoutError as exc:
-            error = exc
-        else:
+        # The form shows the name it was sent with, not a remembered one it may complain about.
+        buyer = request.POST.get("buyer", "").strip()[:64]
+        with services.counted_checkout() as counted:  # as the API's checkouts are
+            try:
+                buyer, qty = _parse_order_form(request)
+                result = services.place_order(
+                    sku=item.sku,
+                    qty=qty,
+                    buyer=buyer,
+                    # One key per rendered form: a double submit gets the first order back.
+                    idempotency_key=_form_key(request),
+                )
+            except CheckoutError as exc:
+                error, counted.outcome = exc, exc.code
+            else:
+                counted.outcome = "accepted"
+        if error is None:
             request.session["buyer"] = buyer
             return redirect("order", order_id=result.order.public_id)
         if buyer and len(buyer) <= 64 and buyer.isprintable():
@@ -105,17 +110,35 @@ def item_page(request: HttpRequest, sku: str) -> HttpResponse:
     max_qty = settings.FLASHSALE_MAX_QTY if limit_left is None else max(1, limit_left)
     sale = item.current_sale
     now = selectors.database_now()
+    # Reached only when the buyer holds all one buyer may: asking for more than the limit
+    # allows (`LimitReached` for a buyer who holds fewer) leaves the form usable.
+    limit_reached = limit_left == 0
+    not_started = sale is not None and sale.opens_at > now
+    if sale is None:
+        phase = "not_on_sale"
+    elif not_started:
+        phase = "not_started"
+    elif not item.units_left:
+        phase = "sold_out"
+    elif limit_reached:
+        phase = "limit_reached"
+    else:
+        phase = "on_sale"
     context = {
         "item": item,
         "sale": sale,
         "error": error,
         "error_code": error.code if error else "",
         "buyer": buyer,
+        "asked": qty,
         "qty": min(max(qty, 1), max_qty),
         "held": held,
         "limit_left": limit_left,
-        "limit_reached": isinstance(error, LimitReached) or limit_left == 0,
-        "not_started": sale is not None and sale.opens_at > now,
+        "limit_reached": limit_reached,
+        "not_started": not_started,
+        "phase": phase,
+        # A quantity is offered while the item is or will be on sale for this buyer.
+        "offers_quantity": phase in ("on_sale", "not_started"),
         "now": now,
         "idempotency_key": uuid.uuid4().hex,
         "max_qty": max_qty,
@@ -151,3 +174,25 @@ def order_page(request: HttpRequest, order_id: UUID) -> HttpResponse:
 def favicon(request: HttpRequest) -> HttpResponse:
     """/favicon.ico, which browsers ask for on pages that name no icon (the admin's)."""
     return redirect(static("shop/favicon.svg"), permanent=True)
+
+
+def _for_the_api(request: HttpRequest) -> bool:
+    return request.path.startswith("/api/")
+
+
+def bad_request(request: HttpRequest, exception: Exception) -> HttpResponse:
+    """Django's 400 page (a request it refused before any view: a bad Host header, say); under
+    /api/, the API's JSON error."""
+    if _for_the_api(request):
+        # (what was wrong is logged; its text may name the server's settings)
+        detail = "the request was refused before it reached the API (a Host it does not serve?)"
+        return api.error_response("invalid", detail, 400)
+    return defaults.bad_request(request, exception)
+
+
+def server_error(request: HttpRequest) -> HttpResponse:
+    """Django's 500 page (a view failed unexpectedly); under /api/, the API's JSON error."""
+    if _for_the_api(request):
+        detail = "the server failed to answer this request (its log says why); try again"
+        return api.error_response("error", detail, 500)
+    return defaults.server_error(request)

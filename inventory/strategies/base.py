@@ -113,6 +113,8 @@ class StockStrategy(ABC):
     oversells: bool = False
     #: Whether the strategy needs Redis (and so runs behind the database fallback).
     uses_redis: bool = False
+    #: Whether its checkouts hold Redis locks (their waits, renewals and losses are counted).
+    holds_locks: bool = False
     #: Whether the strategy keeps a count of the units left in Redis (checked by the audit).
     counts_in_redis: bool = False
     #: How many stock rows the strategy keeps for an item's sale (0: the item row alone).

@@ -31,6 +31,7 @@ class RedisWithFallback(StockStrategy):
         self.shard_count = primary.shard_count
         self.counts_in_redis = primary.counts_in_redis
         self.rows_apart = primary.rows_apart
+        self.holds_locks = primary.holds_locks
         # The fallback decides from the database rows of the sale (and refuses a sale that is
         # no longer current) just as well.
         self.item_may_be_remembered = primary.item_may_be_remembered

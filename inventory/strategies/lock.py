@@ -42,6 +42,7 @@ class LockStrategy(StockStrategy):
     name = "lock"
     label = "one Redis lock per item"
     uses_redis = True
+    holds_locks = True
     # Its write refuses a sale restarted since the item was read, and the stock it checks
     # before taking the lock is only a shortcut (kept up to date by each sale of this process,
     # checked against the sale's mark or the database before a sold-out answer).

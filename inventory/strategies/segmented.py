@@ -193,6 +193,7 @@ class SegmentedStrategy(StockStrategy):
     name = "segmented"
     label = f"{settings.FLASHSALE_SHARDS} shards, one Redis lock each"
     uses_redis = True
+    holds_locks = True
     counts_in_redis = True
     shard_count = settings.FLASHSALE_SHARDS
     # Each shard's hint shares a cluster slot with its lock, not with the other shards.

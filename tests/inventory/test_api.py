@@ -289,6 +289,28 @@ def test_sale_start_and_audit_commands(django_capture_on_commit_callbacks):
     assert list(Order.objects.values_list("sale_id", flat=True)) == [first_sale]
 
 
+def test_the_sale_commands_count_one_unit_as_one_unit(django_capture_on_commit_callbacks):
+    from io import StringIO
+
+    started, restocked = StringIO(), StringIO()
+    with django_capture_on_commit_callbacks(execute=True):
+        call_command(
+            "sale",
+            "start",
+            "single",
+            "--stock",
+            "1",
+            "--strategy",
+            "lua",
+            "--limit",
+            "1",
+            stdout=started,
+        )
+        call_command("sale", "restock", "single", "--add", "1", stdout=restocked)
+    assert "started: 1 unit through lua, at most 1 per buyer" in started.getvalue()
+    assert restocked.getvalue().endswith(": 1 unit added (1 at the start, 2 in all)\n")
+
+
 def test_healthz_reports_database_and_redis(client):
     response = client.get("/healthz")
     assert response.status_code == 200

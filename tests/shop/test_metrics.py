@@ -27,7 +27,7 @@ from inventory.strategies.base import Allocation
 from inventory.tasks import give_back_task
 from shop.processes.ports import free_port
 from shop.processes.servers import PROJECT_DIR as ROOT
-from shop.processes.servers import stop_group
+from shop.processes.servers import ShopServer, stop_group
 from tests.conftest import (
     TEST_API_TOKEN,
     answers_ok,
@@ -101,6 +101,101 @@ def test_one_scrape_counts_the_checkouts_of_every_worker_by_strategy_and_outcome
     assert STOCK <= waits == holds <= CHECKOUTS
     timeouts = ("flashsale_lock_acquire_timeouts_total", (("strategy", "lock"),))
     assert samples.get(timeouts, 0) == 0
+
+
+def test_every_checkout_is_counted_once_whichever_way_it_came(settings):
+    # Given a shop whose metrics this process counts (the test client's requests)
+    settings.FLASHSALE_API_TOKEN = "token-for-this-test"
+    sku = f"counted-{uuid.uuid4().hex[:6]}"
+    start_sale(sku=sku, stock=10, strategy="optimistic", limit=3)
+    client = Client()
+
+    def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        answer = client.get("/metrics", HTTP_AUTHORIZATION="Bearer token-for-this-test")
+        return _samples(answer.content.decode())
+
+    before = scrape()
+
+    # When three orders are placed from the item page's form, one through the API, and the
+    # form and the API each refuse one (no name; over the limit)
+    page = f"/items/{sku}/"
+    for buyer in ("ann", "bob", "cy"):
+        form = client.get(page).content.decode()
+        key = re.search(r'name="idempotency_key" value="([^"]*)"', form).group(1)
+        answer = client.post(page, {"buyer": buyer, "qty": "1", "idempotency_key": key})
+        assert answer.status_code == 302, answer.content[:300]
+    assert 'data-error="invalid"' in client.post(page, {"buyer": "", "qty": "1"}).content.decode()
+    body = {"sku": sku, "qty": 1, "buyer": "dee"}
+    assert client.post("/api/checkout", body, "application/json").status_code == 201
+    body = {"sku": sku, "qty": 4, "buyer": "eve"}
+    assert client.post("/api/checkout", body, "application/json").status_code == 409
+    after = scrape()
+
+    # Then each was counted once, by the item's strategy and its outcome, and timed once
+    def added(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    checkouts = "flashsale_checkouts_total"
+    assert added(checkouts, strategy="optimistic", outcome="accepted") == 4
+    assert added(checkouts, strategy="optimistic", outcome="limit_reached") == 1
+    assert added(checkouts, strategy="none", outcome="invalid") == 1
+    timed = "flashsale_checkout_duration_seconds_count"
+    assert added(timed, strategy="optimistic") == 5 and added(timed, strategy="none") == 1
+    assert Order.objects.filter(item__sku=sku).count() == 4
+
+
+#: What an operator alerts on, each series exported before its first event: {family: label sets}.
+ALERTING = {
+    "flashsale_breaker_open": [{"breaker": "redis"}, {"breaker": "broker"}],
+    "flashsale_fallback_checkouts_total": [
+        {"strategy": name} for name in ("lock", "segmented", "lua")
+    ],
+    "flashsale_locks_lost_total": [
+        {"strategy": name, "how": how}
+        for name in ("lock", "segmented")
+        for how in ("watchdog", "fenced")
+    ],
+    "flashsale_lock_renewals_total": [
+        {"strategy": name, "outcome": outcome}
+        for name in ("lock", "segmented")
+        for outcome in ("renewed", "failed")
+    ],
+    "flashsale_reconciler_repairs_total": [{"store": "redis"}, {"store": "database"}],
+}
+
+
+def _zeros(samples: dict) -> list[tuple[str, dict[str, str]]]:
+    """The alerting series missing from a scrape or not 0 in it."""
+    return [
+        (name, labels)
+        for name, label_sets in ALERTING.items()
+        for labels in label_sets
+        if samples.get((name, tuple(sorted(labels.items())))) != 0
+    ]
+
+
+@pytest.mark.usefixtures("no_queued_orders")
+@pytest.mark.parametrize("preload", [False, True], ids=["workers-load-the-app", "preloaded"])
+def test_what_an_operator_alerts_on_is_exported_as_0_before_it_first_happens(preload):
+    # Given a shop (its app loaded by each worker, or once before they fork, as load runs do)
+    # and a Celery worker that have just started, nothing sold, nothing gone wrong
+    port = free_port()
+    worker = start_worker(FLASHSALE_WORKER_METRICS_PORT=port)
+    server = ShopServer(
+        env=server_env(FLASHSALE_METRICS_LOOPBACK="true"), workers=2, preload=preload
+    ).start()
+    try:
+        # When each is scraped
+        web = _scrape(server.url)
+        worker_samples = _samples(requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
+    finally:
+        server.stop()
+        worker.stop()
+
+    # Then every series an operator alerts on is there, at 0, in both
+    assert _zeros(web) == []
+    assert _zeros(worker_samples) == []
 
 
 def test_checkouts_served_by_the_fallback_and_the_open_breaker_are_counted():

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import re
+import time
 import uuid
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import requests
@@ -17,6 +19,7 @@ from django.contrib.auth.models import Permission, User
 from django.test import Client
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
+from inventory import models
 from inventory.models import Order, OrderStatus
 from inventory.services import place_order, start_sale
 from loadtest.models import SaleRun
@@ -298,6 +301,114 @@ def test_a_buyer_at_the_limit_sees_it_and_cannot_buy(shop_server, page):
     page.get_by_label("Your name").fill("gus")
     expect(page.get_by_role("button", name="Buy now")).to_be_enabled()
     expect(page.locator("[data-sale-message]")).to_be_hidden()
+
+
+def test_two_orders_placed_in_the_same_millisecond_have_different_names(
+    shop_server, page, monkeypatch
+):
+    # Given two orders placed within one millisecond (the clock their ids are made by, stopped)
+    sku = _sku("twins")
+    start_sale(sku=sku, stock=5, strategy="lua", name="Twins")
+    stopped = time.time_ns()
+    monkeypatch.setattr(models, "time", SimpleNamespace(time_ns=lambda: stopped))
+    first, second = (place_order(sku=sku, qty=1, buyer=buyer).order for buyer in ("ann", "bob"))
+    assert first.public_id.int >> 80 == second.public_id.int >> 80
+
+    # When each order's page is shown
+    names = []
+    for order in (first, second):
+        page.goto(f"{shop_server.url}/orders/{order.public_id}/")
+        heading = page.get_by_role("heading", level=1)
+        expect(heading).to_have_text(re.compile(r"^Order "))
+        names.append(heading.inner_text())
+
+    # Then they are named apart, each by its id's random tail, in the tab's title too
+    assert names[0] != names[1], names
+    assert names == [f"Order {str(order.public_id)[-12:]}" for order in (first, second)]
+    expect(page).to_have_title(f"{names[1]} · flashsale")
+
+
+def test_asking_for_more_than_the_limit_says_so_and_the_form_stays_usable(shop_server, page):
+    # Given an item of at most 2 per buyer, and a new buyer who holds none
+    sku = _sku("two")
+    start_sale(sku=sku, stock=5, strategy="lua", limit=2)
+    page.goto(f"{shop_server.url}/items/{sku}/")
+
+    # When they ask for 3
+    page.get_by_label("Your name").fill("jo")
+    page.get_by_label("Quantity").fill("3")
+    page.get_by_role("button", name="Buy now").click()
+
+    # Then the page says how many one buyer may have, not that their limit is reached
+    notice = page.get_by_role("alert")
+    expect(notice).to_have_text("At most 2 per buyer. You asked for 3.")
+    expect(page.locator("[data-state-badge]")).to_have_text("On sale")
+    expect(page.locator("[data-sale-message]")).to_be_hidden()
+    screenshot(page, "13-item-over-the-limit")
+    # and the form is usable: the quantity brought within the limit, the button enabled
+    expect(page.get_by_label("Quantity")).to_have_value("2")
+    page.get_by_label("Quantity").fill("1")
+    button = page.get_by_role("button", name="Buy now")
+    expect(button).to_be_enabled()
+    button.click()
+    page.wait_for_url(ORDER_URL)
+    order = Order.objects.get(item__sku=sku)
+    assert (order.buyer, order.qty) == ("jo", 1)
+
+
+def test_a_form_without_a_name_says_so_in_a_sentence_and_leaves_the_name_empty(shop_server, page):
+    # Given a buyer the shop remembers by name
+    sku = _sku("named")
+    start_sale(sku=sku, stock=5, strategy="optimistic")
+    page.goto(f"{shop_server.url}/items/{sku}/")
+    page.get_by_label("Your name").fill("kim")
+    page.get_by_role("button", name="Buy now").click()
+    page.wait_for_url(ORDER_URL)
+
+    # When they come back, clear the name and press Buy
+    page.goto(f"{shop_server.url}/items/{sku}/")
+    expect(page.get_by_label("Your name")).to_have_value("kim")
+    page.get_by_label("Your name").fill("")
+    page.get_by_role("button", name="Buy now").click()
+
+    # Then the page asks for a name in a proper sentence, with the field left as they sent it
+    expect(page.get_by_role("alert")).to_have_text(
+        "Please check the form. Enter your name (at most 64 characters)."
+    )
+    name = page.get_by_label("Your name")
+    expect(name).to_have_value("")
+    expect(name).to_have_attribute("aria-invalid", "true")
+    screenshot(page, "14-item-name-missing")
+    assert Order.objects.filter(item__sku=sku).count() == 1
+
+
+def test_an_item_sold_out_offers_no_quantity(shop_server, page):
+    # Given an item of one per buyer, its last unit on the page
+    sku = _sku("lastone")
+    start_sale(sku=sku, stock=1, strategy="lua", limit=1)
+    page.goto(f"{shop_server.url}/items/{sku}/")
+    quantity, hint = page.get_by_label("Quantity"), page.locator("#qty-hint")
+    expect(quantity).to_be_enabled()
+    expect(hint).to_have_text("At most 1.")
+    _mark_page(page)
+
+    # When another buyer takes it
+    answer = requests.post(
+        f"{shop_server.url}/api/checkout", json={"sku": sku, "qty": 1, "buyer": "lee"}, timeout=10
+    )
+    assert answer.status_code == 201, answer.text
+
+    # Then the page offers no quantity to buy, live and once reloaded
+    expect(page.locator("[data-state-badge]")).to_have_text("Sold out", timeout=LIVE)
+    expect(quantity).to_be_disabled()
+    expect(hint).to_be_hidden()
+    assert _not_reloaded(page)
+    page.reload()
+    expect(page.locator("[data-state-badge]")).to_have_text("Sold out")
+    expect(quantity).to_be_disabled()
+    expect(hint).to_be_hidden()
+    expect(page.get_by_text("From 1 to")).to_have_count(0)
+    screenshot(page, "15-item-sold-out-no-quantity")
 
 
 def test_the_fallback_banner_shows_while_redis_is_down(page):

@@ -57,7 +57,8 @@ def test_sold_out_and_bad_quantities_are_shown_on_the_item_page():
     assert browser.post("/items/phone/", {"buyer": "ann", "qty": "1"}).status_code == 302
     refused = browser.post("/items/phone/", {"buyer": "bob", "qty": "1"})
     assert refused.status_code == 200
-    assert "sold out" in refused.content.decode()
+    html = refused.content.decode()
+    assert 'data-error="sold_out"' in html and "Every unit has been sold." in html
     assert Order.objects.count() == 1
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from django.core.management.base import BaseCommand, CommandParser
+from django.template.defaultfilters import pluralize
 
 from inventory import orders
 
@@ -18,10 +19,12 @@ class Command(BaseCommand):
 
     def handle(self, *args: object, **options: object) -> None:
         report = orders.sweep_orders()
+        expired = len(report.expired)
         self.stdout.write(
-            f"expired {len(report.expired)} orders, enqueued {len(report.requeued)} again"
+            f"expired {expired} order{pluralize(expired)}, enqueued {len(report.requeued)} again"
         )
         if report.not_requeued:
             self.stderr.write(
-                f"{report.not_requeued} open orders not enqueued: the broker is unreachable"
+                f"{report.not_requeued} open order{pluralize(report.not_requeued)} not enqueued: "
+                "the broker is unreachable"
             )

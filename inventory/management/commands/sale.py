@@ -6,6 +6,7 @@ import json
 from decimal import Decimal, InvalidOperation
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.template.defaultfilters import pluralize
 
 from inventory import orders, selectors, services
 from inventory.exceptions import CheckoutError
@@ -90,14 +91,16 @@ class Command(BaseCommand):
         )
         limit = f", at most {sale.per_buyer_limit} per buyer" if sale.per_buyer_limit else ""
         self.stdout.write(
-            f"sale {sale.pk} of {sale.item.sku} started: {sale.initial_stock} units through "
+            f"sale {sale.pk} of {sale.item.sku} started: {sale.initial_stock} "
+            f"unit{pluralize(sale.initial_stock)} through "
             f"{sale.strategy}{limit}"
         )
 
     def _restock(self, options: dict) -> None:
-        sale = services.restock(sku=options["sku"], units=options["add"])
+        added = options["add"]
+        sale = services.restock(sku=options["sku"], units=added)
         self.stdout.write(
-            f"sale {sale.pk} of {sale.item.sku}: {options['add']} units added "
+            f"sale {sale.pk} of {sale.item.sku}: {added} unit{pluralize(added)} added "
             f"({sale.initial_stock} at the start, {sale.supply} in all)"
         )
 

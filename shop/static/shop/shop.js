@@ -3,8 +3,9 @@
  * - items ([data-item]): poll every second for stock and opening time (the item page: GET
  *   /api/items/<sku>; the list: one GET /api/items for all its cards); count down to a later
  *   opening; show on sale / opens soon / sold out / limit reached.
- * - the buy form ([data-buy-form]): enabled only while the item can be bought; disabled on
- *   submit so a double click sends one request (the server's idempotency key covers the rest).
+ * - the buy form ([data-buy-form]): enabled only while the item can be bought (its quantity
+ *   offered only then, or before the sale opens); disabled on submit so a double click sends
+ *   one request (the server's idempotency key covers the rest).
  * - orders ([data-order]): poll GET /api/orders/<id> until confirmed, failed or expired.
  * - the health banner ([data-health-banner]): poll /healthz; say when the database fallback is
  *   serving checkout because Redis is down.
@@ -130,6 +131,8 @@
     this.form = root.querySelector("[data-buy-form]");
     this.button = root.querySelector("[data-buy-button]");
     this.buyerInput = root.querySelector("input[name=buyer]");
+    this.qtyInput = root.querySelector("input[name=qty]");
+    this.qtyHint = root.querySelector("#qty-hint");
     this.message = root.querySelector("[data-sale-message]");
     this.submitting = false;
     this.clockTimer = null;
@@ -185,6 +188,14 @@
     }
     if (this.button) {
       this.button.disabled = this.submitting || phase !== "on_sale";
+    }
+    // A quantity is offered only while the item is, or is about to be, on sale to this name.
+    var offered = phase === "on_sale" || phase === "not_started";
+    if (this.qtyInput && !this.submitting) {
+      this.qtyInput.disabled = !offered;
+    }
+    if (this.qtyHint) {
+      this.qtyHint.hidden = !offered;
     }
   };
 
