@@ -105,13 +105,16 @@ def cell(run: SaleRun, key: str) -> str:
 
 def notes(runs: Sequence[SaleRun]) -> list[str]:
     """One line per run whose figures need a word: a window cut short, a sale not sold out,
-    stock stranded, a run that failed."""
+    stock stranded, a figure that could not be measured, a run that failed."""
     lines = []
     for run in runs:
         window = window_of(run)
         if run.status == SaleRun.Status.FAILED:
             lines.append(f"{run.strategy}: the run failed: {run.error}")
             continue
+        lines += [
+            f"{run.strategy}: not measured: {missing}" for missing in run.audit.get("missing", [])
+        ]
         if window and not window.get("held"):
             ended = {"sold out": "the stock ran out", "cap": "the sale was cut off"}
             lines.append(
