@@ -14,17 +14,19 @@ WORKERS ?= 4
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 BENCH_ARGS ?=
+ARGS ?=
 STRATEGY ?= lua
 ADMIN_USER ?= admin
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test serve demo bench sale admin lint fmt clean chromium nginx compose
+.PHONY: help venv test serve demo bench pitfall manage sale admin lint fmt clean clean-reports \
+	chromium nginx compose
 
 help: ## list the targets
 	@echo "flashsale make targets:"
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z]+:.*## / {printf "  %-9s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
-	@echo "Variables: PYTEST_ARGS, DEMO_ARGS, BENCH_ARGS, HOST/PORT/WORKERS (serve), SKU/STOCK/STRATEGY/LIMIT/PRICE/OPENS_IN (sale),"
-	@echo "  ADMIN_USER (admin), PYTHON (bootstrap)."
+	@echo "Variables: PYTEST_ARGS, DEMO_ARGS, BENCH_ARGS, ARGS (pitfall, manage), HOST/PORT/WORKERS (serve),"
+	@echo "  SKU/STOCK/STRATEGY/LIMIT/PRICE/OPENS_IN (sale), ADMIN_USER (admin), PYTHON (bootstrap)."
 	@echo "DATABASE_URL / REDIS_URL unset => embedded PostgreSQL / Redis with data in .data/."
 
 venv: $(STAMP) ## create .venv and install requirements.txt (done by every target)
@@ -49,6 +51,14 @@ serve: $(STAMP) ## migrate, then serve on HOST:PORT (127.0.0.1:8000) plus a Cele
 BENCH ?= strategies
 bench: $(STAMP) ## the benchmarks without HTTP: every strategy, the peers, the ceilings (BENCH=settle: the order workers, BENCH=calls: redis-py's layers, BENCH=wake: a request's CPU after a wait; BENCH_ARGS="--rounds 3 ...")
 	$(RUN) sh -c '$(PY) manage.py migrate --noinput -v 0 && exec $(PY) manage.py bench $(BENCH) $(BENCH_ARGS)'
+
+pitfall: $(STAMP) ## the pitfall lab: every scenario (ARGS="list", ARGS="run get-del-race --json")
+	@case "$(ARGS)" in list*) exec $(PY) manage.py pitfall $(ARGS);; esac; \
+	  exec $(RUN) $(PY) manage.py pitfall $(or $(ARGS),run --all)
+
+manage: $(STAMP) ## any manage.py command, after migrate: make manage ARGS="sale audit phone --json"
+	@if [ -z "$(ARGS)" ]; then echo 'usage: make manage ARGS="sale audit phone --json"' >&2; exit 2; fi
+	$(RUN) sh -c '$(PY) manage.py migrate --noinput -v 0 && exec $(PY) manage.py "$$@"' manage $(ARGS)
 
 demo: $(STAMP) ## flood every strategy with Locust, print the comparison, write the report (DEMO_ARGS="--stock 500 ...")
 	$(RUN) sh -c '$(PY) manage.py migrate --noinput -v 0 && exec $(PY) manage.py loadtest $(DEMO_ARGS)'
