@@ -19,6 +19,8 @@ from typing import Any
 #: gunicorn's sync worker, which also lets a `lua` checkout hand its connection to the sale
 #: writer (`shop.handoff`); `--worker-class` (or GUNICORN_CMD_ARGS) chooses another.
 worker_class = "shop.handoff.HandOffWorker"
+#: The access log without the health checks' polls, unless `--log-level debug`.
+logger_class = "shop.access_log.AccessLog"
 
 _owned: Path | None = None
 raw_env: list[str] = []
