@@ -69,8 +69,8 @@ sale: $(STAMP) ## start a sale beside make serve: make sale SKU=phone STOCK=100 
 	$(RUN) sh -c '$(PY) manage.py migrate --noinput -v 0 && exec $(PY) manage.py sale start "$$0" --stock "$$1" --strategy "$$2" $${3:+--limit "$$3"} $${4:+--price "$$4"} $${5:+--opens-in "$$5"}' \
 	  "$(SKU)" "$(STOCK)" "$(STRATEGY)" "$(LIMIT)" "$(PRICE)" "$(OPENS_IN)"
 
-admin: $(STAMP) ## create a staff login for the local shop's /admin/ (ADMIN_USER=admin; asks for a password unless DJANGO_SUPERUSER_PASSWORD is set)
-	$(RUN) sh -c '$(PY) manage.py migrate --noinput -v 0 && exec $(PY) manage.py createsuperuser --username "$$0" --email "" $${DJANGO_SUPERUSER_PASSWORD:+--noinput}' "$(ADMIN_USER)"
+admin: $(STAMP) ## create a staff login for the local shop's /admin/ (ADMIN_USER=admin; its password from DJANGO_SUPERUSER_PASSWORD, else asked at the terminal)
+	$(RUN) sh -c '$(PY) manage.py migrate --noinput -v 0 && exec $(PY) manage.py staff "$$0"' "$(ADMIN_USER)"
 
 nginx: ## install Debian's nginx for the tests of deploy/nginx.conf and nginx-cluster.conf (root only)
 	@if command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ]; then \
