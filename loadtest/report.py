@@ -505,6 +505,10 @@ def _scale(top: float) -> float:
     return top if top > 0 else 1.0
 
 
+#: Room above the tallest bar for the value written over it (a 10 px figure and its gap).
+LABEL_ROOM = 18
+
+
 def bar_chart(
     title: str,
     values: Sequence[tuple[str, float]],
@@ -512,10 +516,11 @@ def bar_chart(
 ) -> str:
     width, height, left, bottom = 420, 220, 40, 40
     top = _scale(max([v for _, v in values] + [reference[1] or 0 if reference else 0]))
+    tallest = height - bottom - LABEL_ROOM  # the value over the tallest bar stays inside
     slot = (width - left) / max(len(values), 1)
     bars = []
     for index, (label, value) in enumerate(values):
-        bar_height = (height - bottom - 10) * value / top
+        bar_height = tallest * value / top
         x = left + index * slot + slot * 0.15
         y = height - bottom - bar_height
         fill = color(label)
@@ -528,7 +533,7 @@ def bar_chart(
             f'text-anchor="middle">{html.escape(label)}</text>'
         )
     if reference and reference[1]:
-        y = height - bottom - (height - bottom - 10) * reference[1] / top
+        y = height - bottom - tallest * reference[1] / top
         bars.append(
             f'<line x1="{left}" x2="{width}" y1="{y:.1f}" y2="{y:.1f}" stroke="#333" '
             f'stroke-dasharray="4 3"/><text x="{width}" y="{y - 3:.1f}" font-size="10" '

@@ -48,7 +48,7 @@ if HTTPS:
     SECURE_HSTS_PRELOAD = env.bool("DJANGO_HSTS_PRELOAD", default=True)
 
 INSTALLED_APPS = [
-    "django.contrib.admin",
+    "shop.admin_site.AdminConfig",  # Django's admin, listing each app's pages with its models
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
