@@ -24,7 +24,7 @@ ADMIN_USER ?= admin
 
 help: ## list the targets
 	@echo "flashsale make targets:"
-	@awk 'BEGIN {FS = ":.*## "} /^[a-z]+:.*## / {printf "  %-9s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  %-13s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 	@echo "Variables: PYTEST_ARGS, DEMO_ARGS, BENCH_ARGS, ARGS (pitfall, manage), HOST/PORT/WORKERS (serve),"
 	@echo "  SKU/STOCK/STRATEGY/LIMIT/PRICE/OPENS_IN (sale), ADMIN_USER (admin), PYTHON (bootstrap)."
 	@echo "DATABASE_URL / REDIS_URL unset => embedded PostgreSQL / Redis with data in .data/."
@@ -117,10 +117,15 @@ fmt: $(STAMP) ## ruff format, then ruff check --fix
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
-clean: ## remove .venv and .data (refuses while a serve or embedded PostgreSQL still runs)
+clean: ## remove .venv and .data (refuses while a serve or embedded PostgreSQL still runs); keeps reports/
 	@if [ -f .data/serve.lock ] && command -v flock >/dev/null && ! flock -n .data/serve.lock true; then \
 	  echo "error: make serve is running ($$(cat .data/serve.lock)): stop it with Ctrl-C first" >&2; exit 1; fi
 	@if [ -f .data/postgres/postmaster.pid ] && kill -0 $$(head -n 1 .data/postgres/postmaster.pid) 2>/dev/null; then \
 	  echo "error: the embedded PostgreSQL (pid $$(head -n 1 .data/postgres/postmaster.pid)) still runs on .data/postgres:" \
 	    "stop the make test/serve/demo using it first (or kill that pid if it was left over)" >&2; exit 1; fi
 	rm -rf $(VENV) .data .pytest_cache .ruff_cache
+	@if [ -d reports ]; then \
+	  echo "kept reports/ (the load runs' reports, $$(ls reports | wc -l) folders): make clean-reports removes it"; fi
+
+clean-reports: ## remove reports/, the load runs' reports (a FLASHSALE_REPORTS_DIR elsewhere is left alone)
+	rm -rf reports
