@@ -14,17 +14,19 @@ WORKERS ?= 4
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 BENCH_ARGS ?=
+ARGS ?=
 STRATEGY ?= lua
 ADMIN_USER ?= admin
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test serve demo bench sale admin lint fmt clean chromium nginx compose
+.PHONY: help venv test serve demo bench pitfall manage sale admin lint fmt clean clean-reports \
+	chromium nginx compose
 
 help: ## list the targets
 	@echo "flashsale make targets:"
-	@awk 'BEGIN {FS = ":.*## "} /^[a-z]+:.*## / {printf "  %-9s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
-	@echo "Variables: PYTEST_ARGS, DEMO_ARGS, BENCH_ARGS, HOST/PORT/WORKERS (serve), SKU/STOCK/STRATEGY/LIMIT/PRICE/OPENS_IN (sale),"
-	@echo "  ADMIN_USER (admin), PYTHON (bootstrap)."
+	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  %-13s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@echo "Variables: PYTEST_ARGS, DEMO_ARGS, BENCH_ARGS, ARGS (pitfall, manage), HOST/PORT/WORKERS (serve),"
+	@echo "  SKU/STOCK/STRATEGY/LIMIT/PRICE/OPENS_IN (sale), ADMIN_USER (admin), PYTHON (bootstrap)."
 	@echo "DATABASE_URL / REDIS_URL unset => embedded PostgreSQL / Redis with data in .data/."
 
 venv: $(STAMP) ## create .venv and install requirements.txt (done by every target)
@@ -47,8 +49,16 @@ serve: $(STAMP) ## migrate, then serve on HOST:PORT (127.0.0.1:8000) plus a Cele
 	$(RUN) $(PY) -m shop.serve --host $(HOST) --port $(PORT) --workers $(WORKERS)
 
 BENCH ?= strategies
-bench: $(STAMP) ## the benchmarks without HTTP: every strategy, the peers, the ceilings (BENCH=settle: the order workers, BENCH=calls: redis-py's layers, BENCH=wake: a request's CPU after a wait; BENCH_ARGS="--rounds 3 ...")
+bench: $(STAMP) ## the benchmarks without HTTP: every strategy, the peers, the ceilings (BENCH=settle: the order workers, BENCH=calls: redis-py's layers, BENCH=servers: the server designs over HTTP; BENCH_ARGS="--rounds 3 ...")
 	$(RUN) sh -c '$(PY) manage.py migrate --noinput -v 0 && exec $(PY) manage.py bench $(BENCH) $(BENCH_ARGS)'
+
+pitfall: $(STAMP) ## the pitfall lab: every scenario (ARGS="list", ARGS="run get-del-race --json")
+	@case "$(ARGS)" in list*) exec $(PY) manage.py pitfall $(ARGS);; esac; \
+	  exec $(RUN) $(PY) manage.py pitfall $(or $(ARGS),run --all)
+
+manage: $(STAMP) ## any manage.py command, after migrate: make manage ARGS="sale audit phone --json"
+	@if [ -z "$(ARGS)" ]; then echo 'usage: make manage ARGS="sale audit phone --json"' >&2; exit 2; fi
+	$(RUN) sh -c '$(PY) manage.py migrate --noinput -v 0 && exec $(PY) manage.py "$$@"' manage $(ARGS)
 
 demo: $(STAMP) ## flood every strategy with Locust, print the comparison, write the report (DEMO_ARGS="--stock 500 ...")
 	$(RUN) sh -c '$(PY) manage.py migrate --noinput -v 0 && exec $(PY) manage.py loadtest $(DEMO_ARGS)'
@@ -59,8 +69,8 @@ sale: $(STAMP) ## start a sale beside make serve: make sale SKU=phone STOCK=100 
 	$(RUN) sh -c '$(PY) manage.py migrate --noinput -v 0 && exec $(PY) manage.py sale start "$$0" --stock "$$1" --strategy "$$2" $${3:+--limit "$$3"} $${4:+--price "$$4"} $${5:+--opens-in "$$5"}' \
 	  "$(SKU)" "$(STOCK)" "$(STRATEGY)" "$(LIMIT)" "$(PRICE)" "$(OPENS_IN)"
 
-admin: $(STAMP) ## create a staff login for the local shop's /admin/ (ADMIN_USER=admin; asks for a password unless DJANGO_SUPERUSER_PASSWORD is set)
-	$(RUN) sh -c '$(PY) manage.py migrate --noinput -v 0 && exec $(PY) manage.py createsuperuser --username "$$0" --email "" $${DJANGO_SUPERUSER_PASSWORD:+--noinput}' "$(ADMIN_USER)"
+admin: $(STAMP) ## create a staff login for the local shop's /admin/ (ADMIN_USER=admin; its password from DJANGO_SUPERUSER_PASSWORD, else asked at the terminal)
+	$(RUN) sh -c '$(PY) manage.py migrate --noinput -v 0 && exec $(PY) manage.py staff "$$0"' "$(ADMIN_USER)"
 
 nginx: ## install Debian's nginx for the tests of deploy/nginx.conf and nginx-cluster.conf (root only)
 	@if command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ]; then \
@@ -107,10 +117,15 @@ fmt: $(STAMP) ## ruff format, then ruff check --fix
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
-clean: ## remove .venv and .data (refuses while a serve or embedded PostgreSQL still runs)
+clean: ## remove .venv and .data (refuses while a serve or embedded PostgreSQL still runs); keeps reports/
 	@if [ -f .data/serve.lock ] && command -v flock >/dev/null && ! flock -n .data/serve.lock true; then \
 	  echo "error: make serve is running ($$(cat .data/serve.lock)): stop it with Ctrl-C first" >&2; exit 1; fi
 	@if [ -f .data/postgres/postmaster.pid ] && kill -0 $$(head -n 1 .data/postgres/postmaster.pid) 2>/dev/null; then \
 	  echo "error: the embedded PostgreSQL (pid $$(head -n 1 .data/postgres/postmaster.pid)) still runs on .data/postgres:" \
 	    "stop the make test/serve/demo using it first (or kill that pid if it was left over)" >&2; exit 1; fi
 	rm -rf $(VENV) .data .pytest_cache .ruff_cache
+	@if [ -d reports ]; then \
+	  echo "kept reports/ (the load runs' reports, $$(ls reports | wc -l) folders): make clean-reports removes it"; fi
+
+clean-reports: ## remove reports/, the load runs' reports (a FLASHSALE_REPORTS_DIR elsewhere is left alone)
+	rm -rf reports

@@ -210,8 +210,13 @@ def audit_sale(sku: str) -> dict[str, Any]:
         "consistent": db_stock == supply - accepted
         and (not counts_in_redis or redis_stock == db_stock),
         "fallback_orders": orders.filter(fallback=True).count(),
-        "orders_by_status": {status: by_status.get(status, (0, 0))[0] for status in OrderStatus},
-        "units_by_status": {status: by_status.get(status, (0, 0))[1] for status in OrderStatus},
+        # Keyed by plain strings ("pending"), as JSON and a reader see them.
+        "orders_by_status": {
+            status.value: by_status.get(status, (0, 0))[0] for status in OrderStatus
+        },
+        "units_by_status": {
+            status.value: by_status.get(status, (0, 0))[1] for status in OrderStatus
+        },
     }
 
 

@@ -105,13 +105,16 @@ def cell(run: SaleRun, key: str) -> str:
 
 def notes(runs: Sequence[SaleRun]) -> list[str]:
     """One line per run whose figures need a word: a window cut short, a sale not sold out,
-    stock stranded, a run that failed."""
+    stock stranded, a figure that could not be measured, a run that failed."""
     lines = []
     for run in runs:
         window = window_of(run)
         if run.status == SaleRun.Status.FAILED:
             lines.append(f"{run.strategy}: the run failed: {run.error}")
             continue
+        lines += [
+            f"{run.strategy}: not measured: {missing}" for missing in run.audit.get("missing", [])
+        ]
         if window and not window.get("held"):
             ended = {"sold out": "the stock ran out", "cap": "the sale was cut off"}
             lines.append(
@@ -502,6 +505,10 @@ def _scale(top: float) -> float:
     return top if top > 0 else 1.0
 
 
+#: Room above the tallest bar for the value written over it (a 10 px figure and its gap).
+LABEL_ROOM = 18
+
+
 def bar_chart(
     title: str,
     values: Sequence[tuple[str, float]],
@@ -509,10 +516,11 @@ def bar_chart(
 ) -> str:
     width, height, left, bottom = 420, 220, 40, 40
     top = _scale(max([v for _, v in values] + [reference[1] or 0 if reference else 0]))
+    tallest = height - bottom - LABEL_ROOM  # the value over the tallest bar stays inside
     slot = (width - left) / max(len(values), 1)
     bars = []
     for index, (label, value) in enumerate(values):
-        bar_height = (height - bottom - 10) * value / top
+        bar_height = tallest * value / top
         x = left + index * slot + slot * 0.15
         y = height - bottom - bar_height
         fill = color(label)
@@ -525,7 +533,7 @@ def bar_chart(
             f'text-anchor="middle">{html.escape(label)}</text>'
         )
     if reference and reference[1]:
-        y = height - bottom - (height - bottom - 10) * reference[1] / top
+        y = height - bottom - tallest * reference[1] / top
         bars.append(
             f'<line x1="{left}" x2="{width}" y1="{y:.1f}" y2="{y:.1f}" stroke="#333" '
             f'stroke-dasharray="4 3"/><text x="{width}" y="{y - 3:.1f}" font-size="10" '

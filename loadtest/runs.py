@@ -21,13 +21,17 @@ A strategy's run measures selling, then sells out:
 
 Where the figures live, beside SaleRun's own fields: `goodput` is the window's units/s;
 `audit` holds the sale's audit plus `window`, `lost_updates` (units accepted beyond what the
-stock went down by) and `sold_out_answers`; `parameters` holds the settings, the sale's stock
-and, when it was sized, the `probe` that sized it.
+stock went down by) and `sold_out_answers`, and `missing`: each figure the run could not
+measure and why (a Locust slow to start or stopped early writes its files late, in part or
+not at all: they are read for what they hold, and a run never fails for want of its history);
+`parameters` holds the settings, the sale's stock and, when it was sized, the `probe` that
+sized it.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import math
 import os
@@ -80,8 +84,12 @@ PROBE_STOCK = 1_000_000
 #: Beyond its spawning, the crowd's first half second (connections opening, the opening's
 #: burst) is not yet its steady pace.
 CROWD_SETTLE_SECONDS = 0.5
-#: About how long Locust takes to start; a sale opens after this and the warm-up.
+#: About how long Locust takes to start; a sale opens after this and the warm-up. Only a guess
+#: to open the sale by: a Locust slower to start (a busy host, a cold bytecode cache) finds the
+#: sale open, and its files are read only once and as far as it has written them.
 LOCUST_START_SECONDS = 1.5
+#: Seconds between two looks at a running Locust: the live line, and the run's figures so far.
+PROGRESS_SECONDS = 2.0
 #: Without --duration, a sale is cut off after this many times the time a sized stock lasts
 #: at the probe's pace (the crowd's ramp and `headroom` windows): a sale may be this much
 #: slower than its probe and still sell out.
@@ -709,7 +717,7 @@ def _locust(
         if meter is not None:
             meter.track(process.pid, "locust")
         try:
-            while not _exited(process, within=2.0):
+            while not _exited(process, within=PROGRESS_SECONDS):
                 elapsed = min(time.monotonic() - started, seconds)
                 rate, failures = latest_rates(history)
                 line = f"  {label}: {elapsed:4.0f} s of {seconds}"
@@ -752,11 +760,14 @@ def _record_baseline_rate(
     from Locust's history). Locust's figure for the whole run, the ramp included, stays in
     `audit.http`."""
     totals = http_totals(Path(f"{prefix}_stats_history.csv"))
-    if len(totals) < 2:
-        return
-    start_at = totals[0][0] + math.ceil(config.ramp_seconds)
+    start_at = totals[0][0] + math.ceil(config.ramp_seconds) if totals else 0
     steady = [(at, count) for at, count in totals if at >= start_at]
     if len(steady) < 2:
+        _missing(
+            run,
+            "req/s once the crowd was in: Locust's history does not reach past the crowd's "
+            "ramp, so req/s is Locust's figure for the whole run",
+        )
         return
     (start, first), (end, last) = steady[0], steady[-1]
     _measured_between(run, start, end, (last - first) / (end - start))
@@ -773,8 +784,14 @@ def _record_window_rate(run: SaleRun, prefix: Path) -> None:
     if window.get("units"):
         totals = http_totals(Path(f"{prefix}_stats_history.csv"))
         rate = requests_between(totals, window["starts_at"], window["ends_at"])
-        if rate is not None:
-            _measured_between(run, window["starts_at"], window["ends_at"], rate)
+        if rate is None:
+            _missing(
+                run,
+                "req/s over the window: Locust's history does not cover it, so req/s is "
+                "Locust's figure for the whole run",
+            )
+            return
+        _measured_between(run, window["starts_at"], window["ends_at"], rate)
 
 
 def _measured_between(run: SaleRun, start: float, end: float, rate: float) -> None:
@@ -814,8 +831,25 @@ def _tail(prefix: Path, lines: int = 3) -> str:
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
-    with open(path, newline="") as handle:
-        return list(csv.DictReader(handle))
+    """The whole rows of a CSV file Locust writes as it runs: none before it has made the file or
+    flushed its header, and never the line it is still writing (a row cut short would read as a
+    second with no requests, or a count a digit short)."""
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return []
+    complete = text[: text.rfind("\n") + 1]
+    return [
+        row
+        for row in csv.DictReader(io.StringIO(complete, newline=""))
+        if None not in row and None not in row.values()  # fields missing, or one too many
+    ]
+
+
+def _missing(run: SaleRun, figure: str) -> None:
+    """Say in the run's audit that a figure could not be measured, and why (the notes under the
+    comparison show it)."""
+    run.audit = {**run.audit, "missing": [*run.audit.get("missing", []), figure]}
 
 
 def _number(value: str | None) -> float | None:
@@ -828,10 +862,16 @@ def _read_stats(run: SaleRun, prefix: Path, qty: int, exit_code: int) -> None:
     """Requests, failures, throughput and latency of the HTTP requests; lock waits; history.
 
     Checkout latency is that of the checkouts answered while the sale sold (its sold-out
-    answers apart). Raises LoadRunError when Locust left no readable stats.
+    answers apart). Raises LoadRunError when Locust left no stats; a history it did not write
+    leaves the run without one, and the run says so.
     """
+    path = Path(f"{prefix}_stats.csv")
+    stats = _rows(path)
+    if not stats:
+        raise LoadRunError(
+            f"Locust exited with {exit_code} and left no stats in {path.name}; {_tail(prefix)}"
+        )
     try:
-        stats = _rows(Path(f"{prefix}_stats.csv"))
         http = [row for row in stats if row["Type"] in HTTP_TYPES]
         run.requests = sum(int(row["Request Count"]) for row in http)
         run.failures = sum(int(row["Failure Count"]) for row in http)
@@ -844,12 +884,18 @@ def _read_stats(run: SaleRun, prefix: Path, qty: int, exit_code: int) -> None:
         run.lock_wait_p99_ms = _number(lock_wait[0]["99%"]) if lock_wait else None
         if run.sku:
             sold_out = [row for row in http if row["Name"] == SOLD_OUT_NAME]
-            run.audit = {"sold_out_answers": sum(int(r["Request Count"]) for r in sold_out)}
-        run.history = _history(Path(f"{prefix}_stats_history.csv"), qty)
-    except (OSError, KeyError, ValueError) as exc:
+            run.audit = {
+                **run.audit,
+                "sold_out_answers": sum(int(r["Request Count"]) for r in sold_out),
+            }
+        history = Path(f"{prefix}_stats_history.csv")
+        run.history = _history(history, qty)
+    except (KeyError, ValueError) as exc:
         raise LoadRunError(
             f"Locust exited with {exit_code} and left no readable stats ({exc}); {_tail(prefix)}"
         ) from exc
+    if not run.history:
+        _missing(run, f"history: Locust wrote none to {history.name}, so no chart over time")
 
 
 def _http_counts(rows: list[dict[str, str]]) -> list[tuple[int, int, int]]:
@@ -872,8 +918,7 @@ def _http_counts(rows: list[dict[str, str]]) -> list[tuple[int, int, int]]:
 
 def http_totals(path: Path) -> list[tuple[int, int]]:
     """(Unix second, HTTP requests so far) at each row of a run's Locust history."""
-    rows = _rows(path) if path.exists() else []
-    return [(second, requests) for second, requests, _ in _http_counts(rows)]
+    return [(second, requests) for second, requests, _ in _http_counts(_rows(path))]
 
 
 def requests_between(totals: list[tuple[int, int]], start: float, end: float) -> float | None:
@@ -900,7 +945,7 @@ def requests_between(totals: list[tuple[int, int]], start: float, end: float) ->
 def latest_rates(path: Path) -> tuple[float, int]:
     """HTTP requests/s over the latest second of a run's Locust history, and its failures so
     far (0, 0 before Locust wrote any)."""
-    counts = _http_counts(_rows(path) if path.exists() else [])
+    counts = _http_counts(_rows(path))
     if not counts:
         return 0.0, 0
     rate = 0.0
@@ -912,7 +957,7 @@ def latest_rates(path: Path) -> tuple[float, int]:
 
 def _history(path: Path, qty: int) -> list[dict[str, float]]:
     """One sample a second: users, HTTP requests/s (over the second before the sample),
-    checkout p95, units sold so far."""
+    checkout p95, units sold so far; none before Locust wrote any."""
     rows = _rows(path)
     samples: dict[int, dict[str, float]] = {}
     for row in rows:

@@ -29,6 +29,8 @@ from django.conf import settings
 from django.db import DatabaseError, connection
 from django.db.models import Model
 
+from shop.nodatabase import base as nodatabase
+
 #: Set (to "1") in a sandboxed process's environment.
 MARK = "FLASHSALE_SANDBOX"
 SUFFIX = "_loadrun"
@@ -52,6 +54,8 @@ def database_name(shop_name: str) -> str:
 def environment(base: Mapping[str, str]) -> dict[str, str]:
     """The environment of a process in the sandbox of the shop `base` describes."""
     url = base.get("DATABASE_URL", "")
+    if not url:
+        raise SandboxError(nodatabase.MESSAGE)
     parts = urlsplit(url)
     shop_name = unquote(parts.path.lstrip("/"))
     if not parts.scheme or not shop_name:

@@ -16,6 +16,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+#: The access log without the health checks' polls, unless `--log-level debug`.
+logger_class = "shop.access_log.AccessLog"
+
 _owned: Path | None = None
 raw_env: list[str] = []
 if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):

@@ -1,6 +1,7 @@
 """flashsale settings, read from the environment (12-factor).
 
-Required: DATABASE_URL. Optional: REDIS_URL (default redis://127.0.0.1:6379/0) or
+DATABASE_URL: the database (unset, only the commands that need none run: shop.nodatabase).
+Optional: REDIS_URL (default redis://127.0.0.1:6379/0) or
 REDIS_CLUSTER_NODES (a Redis Cluster; CELERY_BROKER_URL is then required), CELERY_BROKER_URL
 (default REDIS_URL), DJANGO_SECRET_KEY, DJANGO_DEBUG, DJANGO_ALLOWED_HOSTS and the
 FLASHSALE_* knobs below. `make test|serve|demo` start embedded PostgreSQL and Redis when the first
@@ -47,7 +48,7 @@ if HTTPS:
     SECURE_HSTS_PRELOAD = env.bool("DJANGO_HSTS_PRELOAD", default=True)
 
 INSTALLED_APPS = [
-    "django.contrib.admin",
+    "shop.admin_site.AdminConfig",  # Django's admin, listing each app's pages with its models
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
@@ -92,13 +93,13 @@ TEMPLATES = [
     },
 ]
 
-if "DATABASE_URL" not in env:
-    raise ImproperlyConfigured(
-        "DATABASE_URL is not set. Run through `make serve`, `make test` or `make demo` (they "
-        "start an embedded PostgreSQL), or `python -m shop.devservices -- COMMAND`, or set "
-        "DATABASE_URL=postgres://USER@HOST:5432/NAME."
-    )
-DATABASES = {"default": env.db("DATABASE_URL")}
+# Without DATABASE_URL, commands that need no database still run (`pitfall list`); the first
+# use of the database says how to name one (shop.nodatabase), and the web app refuses to start.
+DATABASE_URL_IS_SET = bool(env.str("DATABASE_URL", default=""))
+if DATABASE_URL_IS_SET:
+    DATABASES = {"default": env.db("DATABASE_URL")}
+else:
+    DATABASES = {"default": {"ENGINE": "shop.nodatabase", "NAME": ""}}
 DATABASES["default"]["CONN_MAX_AGE"] = env.int("DJANGO_CONN_MAX_AGE", default=60)
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":

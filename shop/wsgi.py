@@ -10,6 +10,11 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "shop.settings")
 
 application = get_wsgi_application()
 
+if not settings.DATABASE_URL_IS_SET:
+    raise ImproperlyConfigured(
+        "DATABASE_URL is not set: the shop will not serve without its database. Set it, or "
+        "start it with `make serve`, which starts an embedded PostgreSQL."
+    )
 if not (settings.SECRET_KEY_IS_SET or settings.DEBUG):
     raise ImproperlyConfigured(
         "DJANGO_SECRET_KEY is not set: the shop will not serve with a key anyone can read. "

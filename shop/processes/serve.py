@@ -130,14 +130,16 @@ class Server:
             + ["--bind", f"{self.host}:{self.port}", "--workers", str(self.workers)]
             + ["--access-logfile", "-"],
         )
+        # The worker and beat log warnings and errors: at info, the sweeper's and reconciler's
+        # tasks, every few seconds, would bury the requests and problems a reader looks for.
         self._spawn(
             "the Celery worker",
-            [sys.executable, "-m", "celery", "-A", "shop", "worker", "-l", "info"],
+            [sys.executable, "-m", "celery", "-A", "shop", "worker", "-l", "warning"],
         )
         # beat: the order sweeper and the reconciler, on the schedule in settings.
         self._spawn(
             "Celery beat",
-            [sys.executable, "-m", "celery", "-A", "shop", "beat", "-l", "info"]
+            [sys.executable, "-m", "celery", "-A", "shop", "beat", "-l", "warning"]
             + ["--schedule", str(ROOT / ".data" / "celerybeat-schedule")],
         )
 

@@ -119,4 +119,15 @@ class Command(BaseCommand):
             return
         width = max(map(len, report))
         for key, value in report.items():
-            self.stdout.write(f"{key:<{width}}  {value}")
+            self.stdout.write(f"{key:<{width}}  {_plain(value)}")
+
+
+def _plain(value: object) -> str:
+    """A figure of the audit as a reader reads it: `pending: 2, paid: 0`, not a Python dict."""
+    if isinstance(value, dict):
+        return ", ".join(f"{key}: {_plain(figure)}" for key, figure in value.items()) or "-"
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
