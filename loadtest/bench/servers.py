@@ -15,7 +15,9 @@ round, in a rotating order, so that a slow minute of the host falls on each in t
 - `gthread`: gunicorn's gthread workers (4 x 4 threads), the in-process batcher;
 - `granian`: granian's WSGI workers (Rust HTTP; 4 x 4 blocking threads), the batcher;
 - `uvicorn`: uvicorn's ASGI workers (2), `lua`'s checkouts batched on each event loop
-  (`inventory.async_checkout`).
+  (`inventory.async_checkout`);
+- `granian-alone`: granian as above, each checkout its own script and commit (what the batcher
+  adds on the same server).
 
 Printed per strategy and design: units/s over the window, the checkouts' latency (p50, p99,
 p99.9 of the sale's 201s, from Locust), CPU per unit by part (the shop's parts: server, writer,
@@ -84,6 +86,11 @@ DESIGNS = {
             (("FLASHSALE_BATCH_WRITES", "true"),),
         ),
         Design("uvicorn", ("--server", "uvicorn", "--server-workers", "2")),
+        Design(
+            "granian-alone",
+            ("--server", "granian", "--server-workers", "4", "--server-threads", "4"),
+            (("FLASHSALE_BATCH_WRITES", "false"),),
+        ),
     )
 }
 #: The parts of `loadtest.cpu` that are the shop's own (the crowd and the rest of the host are
