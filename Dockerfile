@@ -1,4 +1,4 @@
-# One image for the web (gunicorn), sale writer and worker (Celery) services of docker-compose.yml.
+# One image for the web (granian), worker and beat (Celery) services of docker-compose.yml.
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -18,14 +18,12 @@ COPY . .
 
 # Static files are collected at build time; settings need a DATABASE_URL to load but collectstatic
 # never connects to it.
-# /run/flashsale holds the sale writer's socket (a volume web and writer share: a new named
-# volume takes this directory's owner).
 RUN DATABASE_URL=postgres://build@localhost/build python manage.py collectstatic --noinput \
     && useradd --create-home --uid 10001 --user-group flashsale \
-    && mkdir -p /app/.data /run/flashsale \
-    && chown -R flashsale:flashsale /app/.data /run/flashsale
+    && mkdir -p /app/.data \
+    && chown -R flashsale:flashsale /app/.data
 
 USER flashsale
 
 EXPOSE 8000
-CMD ["gunicorn", "shop.wsgi:application", "--config", "python:shop.gunicorn_conf", "--bind", "0.0.0.0:8000", "--access-logfile", "-"]
+CMD ["granian", "--interface", "wsgi", "--no-ws", "--host", "0.0.0.0", "--port", "8000", "--workers", "4", "--blocking-threads", "4", "--respawn-failed-workers", "--log-config", "shop/granian_logging.json", "--access-log", "shop.wsgi:application"]

@@ -23,6 +23,7 @@ import random
 import time
 import uuid
 from collections.abc import Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from enum import StrEnum
@@ -32,7 +33,14 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import psycopg
 from django.conf import settings
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, OperationalError, connection, connections
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    DatabaseError,
+    OperationalError,
+    connection,
+    connections,
+    transaction,
+)
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 from django.db.models import F
@@ -386,10 +394,11 @@ def sell_batch(requests: list[dict[str, Any]]) -> list[Written]:
     undoes the others. A lock holder's request (`segmented`'s) also has `fences` ({index:
     token}) and `"levels": true`: its rows refuse a token older than one they have accepted, its
     `SOLD` answer carries its rows' levels after the batch, and when the batch is refused it is
-    answered `AGAIN`, written nowhere: its holder writes it itself. Must run outside a
-    transaction: it commits on return. Raises RowLockTimeout when a row stayed locked by another
-    transaction past FLASHSALE_ROW_LOCK_TIMEOUT_MS or the checkout's deadline (then nothing of
-    the batch is written).
+    answered `AGAIN`, written nowhere: its holder writes it itself. Raises RowLockTimeout when a
+    row stayed locked by another transaction past FLASHSALE_ROW_LOCK_TIMEOUT_MS or the
+    checkout's deadline (then nothing of the batch is written). Outside a transaction it
+    commits on return; inside one, its sales are part of that transaction (a refusal rolls back
+    to a savepoint of its own).
 
     The batch is first written whole by one set-based statement (`_BATCH_SQL`), which sells
     every request or none; only when one of them is refused is the batch written again a request
@@ -403,17 +412,18 @@ def sell_batch(requests: list[dict[str, Any]]) -> list[Written]:
     OutcomeUnknown when the database does not answer.
     """
     at = timezone.now()
-    sku = str(requests[0].get("sku", "the batch")) if requests else "the batch"
-    wait = _row_lock_wait(sku)
+    wait = _row_lock_wait("the batch")
     database = connections[DEFAULT_DB_ALIAS]
+    inside = database.in_atomic_block
     backend = None  # until the statement is sent
     try:
-        with prepared_cursor() as cursor:
+        # Inside a caller's transaction, a savepoint keeps it usable after a refusal.
+        with transaction.atomic() if inside else nullcontext(), prepared_cursor() as cursor:
             backend = database.connection.info.backend_pid
             cursor.execute(_BATCH_SQL, _batch_parameters(requests, at, wait))
             found = cursor.fetchall()
     except DatabaseError as exc:
-        if backend is not None and connection_lost(database):
+        if backend is not None and not inside and connection_lost(database):
             # One statement commits all of its orders or none.
             placed = _resolve([request["public_id"] for request in requests], backend)
             return [Written(Outcome.SOLD, placed[request["public_id"]], at) for request in requests]
@@ -555,14 +565,15 @@ def _sell_one_by_one(requests: list[dict[str, Any]], at: datetime, wait: str) ->
     order = sorted(range(len(requests)), key=lambda i: (requests[i]["sale"], requests[i]["buyer"]))
     parameters = _batch_parameters([requests[i] for i in order], at, wait)
     database = connections[DEFAULT_DB_ALIAS]
+    inside = database.in_atomic_block
     backend = None  # until the statement is sent
     try:
-        with prepared_cursor() as cursor:
+        with transaction.atomic() if inside else nullcontext(), prepared_cursor() as cursor:
             backend = database.connection.info.backend_pid
             cursor.execute(_ONE_BY_ONE_SQL, parameters)
             rows = cursor.fetchall()
     except DatabaseError as exc:
-        if backend is not None and connection_lost(database):
+        if backend is not None and not inside and connection_lost(database):
             return _resolve_each(requests, backend, at)
         if getattr(exc.__cause__, "sqlstate", None) in (
             LOCK_NOT_AVAILABLE_SQLSTATE,
@@ -594,8 +605,9 @@ def _resolve_each(
 # `inventory_sell_batch` locks each request's rows as it writes it; the stock rows of the whole
 # batch are locked first here, in lock order (the uncorrelated condition on `locked` is checked
 # once, before the function runs), after the lock wait is bounded as the function bounds it.
-_ONE_BY_ONE_SQL = f"""
-WITH bound AS MATERIALIZED (SELECT set_config('lock_timeout', %(wait)s::text, true)),
+_ONE_BY_ONE_SQL = f"""WITH bound AS MATERIALIZED (
+    SELECT set_config('lock_timeout', %(wait)s::text, true)
+),
 locked AS MATERIALIZED (
     SELECT row.id
     FROM {StockShard._meta.db_table} row
@@ -677,8 +689,9 @@ def _batch_parameters(requests: list[dict[str, Any]], at: datetime, wait: str) -
 # connections): each takes its locks in one order, the stock rows by (sale, index), then the
 # buyers' allowances by (sale, buyer), then the orders' idempotency keys by key, so that one
 # may wait for the other's commit but never both for each other.
-_BATCH_SQL = f"""
-WITH bound AS MATERIALIZED (SELECT set_config('lock_timeout', %(wait)s::text, true)),
+_BATCH_SQL = f"""WITH bound AS MATERIALIZED (
+    SELECT set_config('lock_timeout', %(wait)s::text, true)
+),
 needed AS (
     SELECT * FROM unnest(
         %(sales)s::bigint[], %(indexes)s::integer[], %(items)s::bigint[], %(units)s::integer[],

@@ -1,17 +1,10 @@
-import os
-
 from django.urls import path, re_path
 
 from . import api
 
-if os.environ.get("FLASHSALE_ASGI"):
-    from .async_checkout import checkout
-else:
-    checkout = api.checkout
-
 urlpatterns = [
     # What a flash crowd asks for most first (patterns are tried in order, none overlaps).
-    path("checkout", checkout, name="api-checkout"),
+    path("checkout", api.checkout, name="api-checkout"),
     path("items/<str:sku>", api.item_detail, name="api-item"),
     path("noop", api.noop, name="api-noop"),
     path("items", api.item_list, name="api-items"),

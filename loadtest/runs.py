@@ -61,7 +61,14 @@ from inventory.services import start_sale
 from inventory.strategies import oversells, strategy_names
 from shop import queues
 from shop.processes.devservices import die_with_parent
-from shop.processes.servers import PROJECT_DIR, SERVER_KINDS, CeleryWorker, ShopServer
+from shop.processes.servers import (
+    GRANIAN_THREADS,
+    GRANIAN_WORKERS,
+    PROJECT_DIR,
+    SERVER_KINDS,
+    CeleryWorker,
+    ShopServer,
+)
 
 from .bench.measure import percentile_ms, stat_fields
 from .cpu import CpuMeter, per_unit
@@ -126,7 +133,7 @@ class LoadRunSettings:
     out: Path | None = None
     workers: int = 1
     qty: int = 1
-    server_workers: int = 8
+    server_workers: int = GRANIAN_WORKERS
     #: How long to wait, after each sale, for the worker to settle its orders (None: no wait).
     settle_timeout: float | None = SETTLE_TIMEOUT
     warmup: float | None = None
@@ -135,8 +142,8 @@ class LoadRunSettings:
     unsafe_delay_ms: int = 5
     #: The server started here (`shop.processes.servers.SERVER_KINDS`), and its threads per
     #: worker where it has threads.
-    server: str = "sync"
-    server_threads: int = 1
+    server: str = "granian"
+    server_threads: int = GRANIAN_THREADS
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -234,7 +241,7 @@ class LoadRunSettings:
             "headroom": self.headroom if self.stock is None else None,
             "qty": self.qty,
             "workers": self.workers,
-            "host": self.host or "local gunicorn",
+            "host": self.host or f"local {self.server}",
             "server_workers": None if self.host else self.server_workers,
             "server": None if self.host else self.server,
             "server_threads": None if self.host else self.server_threads,

@@ -228,10 +228,6 @@ FLASHSALE_STRIPES = env.int("FLASHSALE_STRIPES", default=10)
 for _rows in ("FLASHSALE_SHARDS", "FLASHSALE_STRIPES"):
     if not 1 <= globals()[_rows] <= 1000:
         raise ImproperlyConfigured(f"{_rows} must be from 1 to 1000, not {globals()[_rows]}")
-# Group commit inside each web process (`inventory.batching`): the `lua` checkouts in flight in
-# one process are taken by one script and written by one statement. Off: one script and one
-# statement per checkout. (Measured against the other server designs: docs/decisions.)
-FLASHSALE_BATCH_WRITES = env.bool("FLASHSALE_BATCH_WRITES", default=True)
 # How long a checkout may use an item read by an earlier one (strategies that allow it).
 FLASHSALE_ITEM_MEMORY_MS = env.int("FLASHSALE_ITEM_MEMORY_MS", default=1000)
 # How long GET /api/items/<sku> may answer with what this process read for it a moment ago

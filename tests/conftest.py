@@ -133,10 +133,11 @@ def server_env(**overrides: object) -> dict[str, str]:
     return env
 
 
-def start_shop(*, kind: str = "sync", threads: int = 1, **overrides: object) -> ShopServer:
-    """A real server of the shop on the test database: `kind` and `threads` as
-    `ShopServer` takes them; `overrides` are settings (environment variables) of its own."""
-    workers = int(os.environ.get("FLASHSALE_TEST_SERVER_WORKERS", "6"))
+def start_shop(*, kind: str = "granian", threads: int = 4, **overrides: object) -> ShopServer:
+    """A real server of the shop on the test database (granian, as the shop runs, three workers
+    of four threads unless FLASHSALE_TEST_SERVER_WORKERS says otherwise): `kind` and `threads`
+    as `ShopServer` takes them; `overrides` are settings (environment variables) of its own."""
+    workers = int(os.environ.get("FLASHSALE_TEST_SERVER_WORKERS", "3"))
     return ShopServer(
         env=server_env(**overrides), workers=workers, kind=kind, threads=threads
     ).start()

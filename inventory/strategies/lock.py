@@ -62,7 +62,7 @@ class LockStrategy(StockStrategy):
             if item.stock < qty:
                 self._mark_gone(item, item.stock, additions)
                 raise SoldOut(sku=item.sku, requested=qty, remaining=item.stock)
-        lock = new_lock(keys.item_lock(item), strategy=self.name, quorum=True)
+        lock = new_lock(keys.item_lock(item), strategy=self.name, quorum=True, peers=True)
         # The sale's statement is built and a cursor opened before the lock is asked for: the
         # lock is held for the statement's round trip and little else.
         with record.prepare(Allocation(strategy=self.name)) as write:

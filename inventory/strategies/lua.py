@@ -6,11 +6,12 @@ tried in turn, so concurrent buyers land on different rows; the database write t
 decrements that row only, guarded by `stock >= units`. No database row is written by every
 buyer: lua pays for Redis and its own row, not for a queue on the item row.
 
-Group commit (FLASHSALE_BATCH_WRITES): the checkouts in flight in one web process are taken and
-written together (`inventory.batching`): one script takes every checkout's units
-(`StockCounter.take_spread_many`), one statement writes every sale that got units and commits
-(`inventory.stock.sell_batch`), each sale with its own guards. A lone checkout is a batch of
-one. Off, each checkout runs its own script and its own statement.
+Group commit: the checkouts in flight in one web process are taken and written together
+(`inventory.batching`, docs/decisions/0001-group-commit-in-the-web-process.md): one script
+takes every checkout's units (`StockCounter.take_spread_many`), one statement writes every
+sale that got units and commits (`inventory.stock.sell_batch`), each sale with its own guards.
+A lone checkout is a batch of one, and so is one inside a caller's transaction (written on its
+own connection, as part of that transaction).
 
 If the database refuses, a counter was too high (it was rebuilt while other processes still
 sold through the fallback): the counters are set from the database and the take is tried once
@@ -207,6 +208,26 @@ def _take_and_write(checkouts: Sequence[_Checkout]) -> list[_Answer | BaseExcept
 _batcher: Batcher[_Checkout, _Answer] = Batcher(_take_and_write)
 
 
+def _ask(checkout: _Checkout) -> _Answer | None:
+    """The checkout's answer from a batch (None: the counters are missing; KeyClaimed: a twin
+    holds the key's claim). Inside a caller's transaction it is written alone, on the caller's
+    connection: a batch led from a transaction would commit others' sales with it."""
+    if connection.in_atomic_block:
+        (answer,) = _take_and_write([checkout])
+        if isinstance(answer, BaseException):
+            raise answer
+    else:
+        try:
+            answer = _batcher.submit(checkout, deadline=checkout.deadline)
+        except Expired:
+            raise deadline.passed(checkout.item.sku) from None
+    if answer.took is _Took.CLAIMED and checkout.claim is not None:
+        raise KeyClaimed(checkout.claim)
+    if answer.took is _Took.MISSING:
+        return None
+    return answer
+
+
 def _give_back(item: Item, plan: dict[int, int]) -> None:
     try:
         plumbing.counter().give_back_many({keys.row(item, i): u for i, u in plan.items()})
@@ -230,62 +251,27 @@ class LuaStrategy(StockStrategy):
 
     def take(self, *, item: Item, qty: int, record: RecordOrder) -> Order:
         claim = _claim(item, record)
+        checkout = _Checkout(item, qty, record, claim, deadline.current())
         try:
-            # Inside a caller's transaction a batch would not commit before the answer.
-            if settings.FLASHSALE_BATCH_WRITES and not connection.in_atomic_block:
-                return self._take_batched(item, qty, record, claim)
-            return self._take(item, qty, record, claim)
+            for _ in range(ATTEMPTS):
+                answer = _taken(item, lambda: _ask(checkout))
+                if answer.took is _Took.SOLD_OUT:
+                    raise SoldOut(sku=item.sku, requested=qty)
+                if answer.sold is not None:
+                    return answer.sold.order
+                if answer.written is Outcome.SHORT:
+                    self._resync(item)  # Redis granted units the database does not hold
+                    continue
+                _give_back(item, answer.taken)
+                if answer.written is Outcome.DUPLICATE:
+                    raise IntegrityError("idempotency key already used")  # replayed by the caller
+                if answer.written is Outcome.LIMIT:
+                    raise LimitReached(sku=item.sku, limit=item.per_buyer_limit or 0)
+                raise stock.SaleRestarted(f"{item.sku}: sale {item.current_sale_id} is over")
+            return self._refused(item, qty, record)
         finally:
             if claim is not None:
                 _release(claim)
-
-    def _take(self, item: Item, qty: int, record: RecordOrder, claim: Claim | None) -> Order:
-        counter = plumbing.counter()
-        counters = keys.rows(item)
-        cursor = keys.turn(item)
-        for _ in range(ATTEMPTS):
-            plan = _taken(item, lambda: counter.take_spread(cursor, counters, qty, claim=claim))
-            if not plan:
-                raise SoldOut(sku=item.sku, requested=qty)
-            sold = self._record(item, plan, record)
-            if sold is not None:
-                return sold.order
-            # The database holds fewer units than Redis granted: the counters were too high.
-            self._resync(item)
-        return self._refused(item, qty, record)
-
-    def _take_batched(
-        self, item: Item, qty: int, record: RecordOrder, claim: Claim | None
-    ) -> Order:
-        checkout = _Checkout(item, qty, record, claim, deadline.current())
-
-        def ask() -> _Answer | None:
-            try:
-                answer = _batcher.submit(checkout, deadline=checkout.deadline)
-            except Expired:
-                raise deadline.passed(item.sku) from None
-            if answer.took is _Took.CLAIMED and claim is not None:
-                raise KeyClaimed(claim)
-            if answer.took is _Took.MISSING:
-                return None
-            return answer
-
-        for _ in range(ATTEMPTS):
-            answer = _taken(item, ask)
-            if answer.took is _Took.SOLD_OUT:
-                raise SoldOut(sku=item.sku, requested=qty)
-            if answer.sold is not None:
-                return answer.sold.order
-            if answer.written is Outcome.SHORT:
-                self._resync(item)  # Redis granted units the database does not hold
-                continue
-            _give_back(item, answer.taken)
-            if answer.written is Outcome.DUPLICATE:
-                raise IntegrityError("idempotency key already used")  # replayed by the caller
-            if answer.written is Outcome.LIMIT:
-                raise LimitReached(sku=item.sku, limit=item.per_buyer_limit or 0)
-            raise stock.SaleRestarted(f"{item.sku}: sale {item.current_sale_id} is over")
-        return self._refused(item, qty, record)
 
     def _refused(self, item: Item, qty: int, record: RecordOrder) -> Order:
         """Redis granted units the database refused, twice: its counters lag the database
@@ -309,18 +295,6 @@ class LuaStrategy(StockStrategy):
             f"{item.sku}: its stock rows kept changing under the checkout",
             retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
         )
-
-    def _record(self, item: Item, plan: dict[int, int], record: RecordOrder) -> Sold | None:
-        try:
-            simulate_work()
-            return record(Allocation(strategy=self.name, shard_units=plan))
-        except HalfDone:
-            return None  # refused part way: nothing written, the counters get resynced
-        except OutcomeUnknown:
-            raise  # it may be sold: the units stay taken (the reconciler decides)
-        except BaseException:
-            _give_back(item, plan)
-            raise
 
     @staticmethod
     def _seed(item: Item) -> None:

@@ -49,12 +49,14 @@ _lock_strategy: weakref.WeakKeyDictionary[Lock, str] = weakref.WeakKeyDictionary
 _held_since: weakref.WeakKeyDictionary[Lock, float] = weakref.WeakKeyDictionary()
 
 
-def new_lock(name: str, *, strategy: str, quorum: bool = False) -> Lock:
+def new_lock(name: str, *, strategy: str, quorum: bool = False, peers: bool = False) -> Lock:
     """A lock configured from settings: TTL, how long to wait, watchdog renewal; its waits and
     holds are counted as `strategy`'s.
 
-    Built by FLASHSALE_LOCK_FACTORY (`locking.Lock`, ours, unless set): the seam through which
-    the benchmark runs the very code of `lock` and `segmented` with a peer's lock. A factory
+    `peers` (the `lock` strategy's item lock): built by FLASHSALE_LOCK_FACTORY (`locking.Lock`,
+    ours, unless set), the seam through which the benchmark runs the very code of `lock` with a
+    peer's lock; without it always `locking.Lock` (`segmented`'s shards, whose first try takes
+    and releases them by `locking.Lock`'s own scripts). A factory
     takes (client, name, *, timeout, blocking_timeout, watchdog) and returns an object with
     Lock's acquire(token=...), release(), owned(), `local.token`, `name` and `lost`. Ours
     waits through the process's wake hub (`locking.wakes`) when FLASHSALE_LOCK_WAKE_HUB is on.
@@ -72,7 +74,7 @@ def new_lock(name: str, *, strategy: str, quorum: bool = False) -> Lock:
         )
         _lock_strategy[held] = strategy
         return held
-    factory = _lock_factory(settings.FLASHSALE_LOCK_FACTORY)
+    factory = _lock_factory(settings.FLASHSALE_LOCK_FACTORY) if peers else Lock
     options: dict[str, Any] = {}
     if settings.FLASHSALE_LOCK_WAKE_HUB and isinstance(factory, type) and issubclass(factory, Lock):
         options["wake_hub"] = keys.key("lock-wakes")
@@ -95,13 +97,6 @@ def _count_renewal(lock: Lock, renewed: bool) -> None:
 
 if _count_renewal not in lock_module.watchdog_listeners:
     lock_module.watchdog_listeners.append(_count_renewal)
-
-
-def adopt_lock(lock: Lock, token: str, fence: int | None) -> None:
-    """Hold `lock` as a script of the caller's took it (`Lock.adopt`): held from now, no wait."""
-    lock.adopt(token, fence)
-    metrics.LOCK_WAIT.labels(_lock_strategy.get(lock, "none")).observe(0.0)
-    _held_since[lock] = time.perf_counter()
 
 
 @lru_cache(maxsize=8)
@@ -249,15 +244,6 @@ def release_with_hints(item: Item, locks: dict[int, Lock], rows: dict[int, Stock
             logger.warning("could not update %s shard hints: Redis is down", item.sku)
     for index, lock in locks.items():
         release_quietly(lock, after=paired.get(index))
-
-
-def own_locks_on_one_redis() -> bool:
-    """Whether the shop's locks are its own (`locking.Lock`, whose keys a script of the
-    caller's may take and release) on one Redis, not a cluster, where one round trip over many
-    locks would span slots: what a batch of shard holders needs."""
-    return _lock_factory(settings.FLASHSALE_LOCK_FACTORY) is Lock and not is_cluster(
-        get_redis_client()
-    )
 
 
 def refresh_hints(

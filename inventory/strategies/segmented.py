@@ -21,12 +21,13 @@ A buyer starts at a random shard and walks the ring:
    in ascending order while others are held, so two buyers cannot deadlock.
 Sold out only when the shards together hold fewer units than asked.
 
-Group commit (FLASHSALE_BATCH_WRITES): step 1 of the checkouts in flight in one web process runs
-as one batch (`inventory.batching`): one round trip to Redis locks a shard for each
-(`StockCounter.lock_first_holding_many`), one statement writes their sales, each fenced by its
-lock's token, and commits (`inventory.stock.sell_batch`), one call releases the locks with
-their hints. A checkout the batch did not sell (no free shard held its quantity, or its row was
-short) walks the ring on its own, as above.
+Step 1 runs as a batch of the checkouts in flight in one web process (`inventory.batching`,
+docs/decisions/0001-group-commit-in-the-web-process.md): one round trip to Redis locks a shard
+for each (`StockCounter.lock_first_holding_many`), one statement writes their sales, each
+fenced by its lock's token, and commits (`inventory.stock.sell_batch`), one call releases the
+locks with their hints. A lone checkout is a batch of one. A checkout the batch did not sell
+(no free shard held its quantity, or its row was short) goes on to steps 2 and 3 on its own,
+with `locking.Lock` objects (and their watchdogs) for the shards it waits for.
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from django.conf import settings
 from django.db import connection
 
 from locking import Lock, release_each_call, scripts
+from locking.cluster import is_cluster
 from locking.counter import LockFirst, StockCounter
 
 from .. import deadline, keys, stock
@@ -90,31 +93,63 @@ class _Checkout:
     deadline: float
 
 
-def _lock_and_write(checkouts: Sequence[_Checkout]) -> list[Sold | None | BaseException]:
-    """One batch: a shard locked for each checkout in one round trip, their sales written by
-    one statement (each fenced by its lock) and committed, the locks released with their hints
-    in one call. Answers each checkout its sale, or None when the batch did not sell it (no free
-    shard held its quantity, its hints were missing, its row was short): it walks the ring."""
-    tokens = [uuid.uuid4().hex for _ in checkouts]
+@dataclass(frozen=True)
+class _Missed:
+    """What the first try saw when it did not sell: every shard's hint (None: the hints are
+    missing)."""
+
+    hints: list[int] | None
+
+
+def _lock_first(checkouts: Sequence[_Checkout], tokens: list[str]) -> list[Any]:
+    """For each checkout, a free shard holding its quantity locked (`LOCK_FIRST_HOLDING`): one
+    round trip for them all on one Redis; on a cluster, where each shard is a slot of its own,
+    a call each (`StockCounter.lock_first_holding` walks the shards there)."""
     ttl_ms = settings.FLASHSALE_LOCK_TTL_MS
     calls = [
         LockFirst(keys.rows(c.item), keys.shard_locks(c.item), c.qty, c.start, token, ttl_ms)
         for c, token in zip(checkouts, tokens, strict=True)
     ]
+    counter = plumbing.counter()
     try:
-        results = plumbing.counter().lock_first_holding_many(calls)
-    except REDIS_DOWN_ERRORS as exc:
+        if not is_cluster(counter.redis):
+            return counter.lock_first_holding_many(calls)
+        return [
+            counter.lock_first_holding(
+                call.counters,
+                call.locks,
+                call.qty,
+                start=call.start,
+                token=call.token,
+                ttl_ms=call.ttl_ms,
+            )
+            for call in calls
+        ]
+    except REDIS_DOWN_ERRORS:
         # A lock may have been taken before the reply was lost: released on recovery if ours.
         remember_unsettled(
             (name, token.encode())
             for call, token in zip(calls, tokens, strict=True)
             for name in call.locks
         )
+        raise
+
+
+def _lock_and_write(checkouts: Sequence[_Checkout]) -> list[Sold | _Missed | BaseException]:
+    """One batch: a shard locked for each checkout, their sales written by one statement (each
+    fenced by its lock) and committed, the locks released with their hints in one call. Answers
+    each checkout its sale, or what it saw when it did not sell (no free shard held its
+    quantity, its hints were missing, its row turned out short): it then walks the ring."""
+    tokens = [uuid.uuid4().hex for _ in checkouts]
+    try:
+        results = _lock_first(checkouts, tokens)
+    except REDIS_DOWN_ERRORS as exc:
         return [exc] * len(checkouts)
-    answers: list[Sold | None | BaseException] = [None] * len(checkouts)
+    answers: list[Sold | _Missed | BaseException] = []
     held: list[tuple[int, int, int]] = []  # (checkout, shard, fence)
     now = time.monotonic()
-    for n, (checkout, (picked, _, fence)) in enumerate(zip(checkouts, results, strict=True)):
+    for n, (checkout, (picked, hints, fence)) in enumerate(zip(checkouts, results, strict=True)):
+        answers.append(_Missed(hints if picked is not None else None))
         if picked is None or picked < 0 or fence is None:
             continue
         if checkout.deadline <= now:
@@ -160,6 +195,8 @@ def _lock_and_write(checkouts: Sequence[_Checkout]) -> list[Sold | None | BaseEx
                 shard_units={shard: checkouts[n].qty},
                 placed_at=answer.placed_at,
             )
+        # Refused (its row short, its lock's token, its buyer's limit or key refused): its
+        # `_Missed` stands, and the ring walk writes it alone, which tells them apart.
     return answers
 
 
@@ -176,17 +213,35 @@ def _release(
         hint = {keys.row(item, shard): levels[shard]} if levels and shard in levels else {}
         _, hint_keys, hint_args = StockCounter.set_newer_call(hint)
         releases.append((keys.shard_locks(item)[shard], tokens[n], hint_keys, hint_args))
-    source, names, args = release_each_call(scripts.STOCK_SET_NEWER, releases)
     client = get_redis_client()
+    # On a cluster each lock and its hint share a slot of their own: a call each.
+    calls = [releases] if not is_cluster(client) else [[release] for release in releases]
     try:
-        scripts.script_for(client, source)(keys=names, args=args)
+        for group in calls:
+            source, names, args = release_each_call(scripts.STOCK_SET_NEWER, group)
+            scripts.script_for(client, source)(keys=names, args=args)
     except REDIS_DOWN_ERRORS as exc:
         breaker.record_failure(exc)
         remember_unsettled((name, token.encode()) for name, token, _, _ in releases)
         logger.warning("could not release %d shard locks: Redis is down", len(releases))
 
 
-_batcher: Batcher[_Checkout, Sold | None] = Batcher(_lock_and_write)
+_batcher: Batcher[_Checkout, Sold | _Missed] = Batcher(_lock_and_write)
+
+
+def _first_try(checkout: _Checkout) -> Sold | _Missed:
+    """Step 1 for the checkout, in a batch of the process's checkouts in flight. Inside a
+    caller's transaction it runs alone, on the caller's connection: a batch led from a
+    transaction would commit others' sales with it."""
+    if connection.in_atomic_block:
+        (answer,) = _lock_and_write([checkout])
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+    try:
+        return _batcher.submit(checkout, deadline=checkout.deadline)
+    except Expired:
+        raise deadline.passed(checkout.item.sku) from None
 
 
 class SegmentedStrategy(StockStrategy):
@@ -206,38 +261,20 @@ class SegmentedStrategy(StockStrategy):
         if not item.shard_count:
             raise RuntimeError(f"{item.sku} has no stock shards: restart its sale")
         start = random.randrange(item.shard_count)
-        if (
-            settings.FLASHSALE_BATCH_WRITES
-            and not connection.in_atomic_block
-            and plumbing.own_locks_on_one_redis()
-        ):
-            checkout = _Checkout(item, qty, record, start, deadline.current())
-            try:
-                sold = _batcher.submit(checkout, deadline=checkout.deadline)
-            except Expired:
-                raise deadline.passed(item.sku) from None
-            if sold is not None:
-                return sold.order
-        picked, hints, token, fence = self._lock_first_holding(item, qty, start)
-        if picked is None:
+        first = _first_try(_Checkout(item, qty, record, start, deadline.current()))
+        if isinstance(first, Sold):
+            return first.order
+        hints = first.hints
+        if hints is None:
             # Redis lost the hints, or a restart dropped this sale's: only rebuild a current
             # sale's.
             ensure_current(item)
-            hints, picked = plumbing.refresh_hints(item), -1
+            hints = plumbing.refresh_hints(item)
         if sum(hints) < qty:
             raise SoldOut(sku=item.sku, requested=qty, remaining=sum(hints))
 
         give_up = time.monotonic() + settings.FLASHSALE_LOCK_WAIT_MS / 1000
         ring = [(start + step) % item.shard_count for step in range(item.shard_count)]
-        if picked >= 0:
-            # The common case: one script chose a free shard holding qty and locked it.
-            lock = shard_lock(item, picked)
-            plumbing.adopt_lock(lock, token, fence)
-            order = self._serve_locked(item, qty, record, {picked: qty}, {picked: lock})
-            if order is not None:
-                return order
-            ring.remove(picked)  # it was short: its hint is corrected, try the others
-
         busy: list[int] = []
         for index in ring:
             if hints[index] < qty:
@@ -265,30 +302,6 @@ class SegmentedStrategy(StockStrategy):
                 retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
             )
         return self._serve_from_all(item, qty, record, give_up)
-
-    def _lock_first_holding(
-        self, item: Item, qty: int, start: int
-    ) -> tuple[int | None, list[int], str, int | None]:
-        """Choose a shard whose hint holds qty and whose lock is free, and lock it, in one
-        script: (its index, or -1 if none; every shard's hint; the lock's owner token and
-        fencing token), or (None, [], token, None) when the hints are missing."""
-        token = uuid.uuid4().hex
-        names = keys.shard_locks(item)
-        try:
-            picked, hints, fence = plumbing.counter().lock_first_holding(
-                keys.rows(item),
-                names,
-                qty,
-                start=start,
-                token=token,
-                ttl_ms=settings.FLASHSALE_LOCK_TTL_MS,
-            )
-        except REDIS_DOWN_ERRORS:
-            # The script may have locked a shard before the reply was lost: release it (if it
-            # is ours) once Redis is back, as for a lock whose SET timed out.
-            remember_unsettled((name, token.encode()) for name in names)
-            raise
-        return picked, hints, token, fence
 
     def _serve_from_all(self, item: Item, qty: int, record: RecordOrder, give_up: float) -> Order:
         locks: dict[int, Lock] = {}

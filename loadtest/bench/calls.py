@@ -7,8 +7,8 @@ redis-py's `Script` and through `locking.scripts.DirectScript`, side by side.
 Needs DATABASE_URL and REDIS_URL (or run it through `python -m shop.devservices --`); sells in
 the load-run sandbox, as `bench strategies` does.
 
-One buyer (this process) buys one unit at a time through `inventory.services.place_order` (with
-FLASHSALE_BATCH_WRITES off: `lua` and `segmented` call their own scripts for each sale), in
+One buyer (this process) buys one unit at a time through `inventory.services.place_order` (one
+thread: each sale a batch of one, its own script calls), in
 alternating blocks of --sales checkouts, one way and then the other, --blocks times each, so
 that a machine whose speed drifts within the minute drifts for both. The two ways share one
 connection pool and its options; the only difference is the client's class: a subclass of
@@ -128,8 +128,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
 
-    from django.conf import settings
-
     from inventory.keys import key as redis_key
     from inventory.redis_client import get_redis_client
     from inventory.selectors import audit_sale
@@ -141,7 +139,6 @@ def main(argv: list[str] | None = None) -> int:
     if not isinstance(shop, redis.Redis):
         print("error: bench calls needs a single Redis (REDIS_URL), not a cluster", file=sys.stderr)
         return 2
-    settings.FLASHSALE_BATCH_WRITES = False  # each sale's own script calls, not a batch's
     ways: dict[str, redis.Redis] = {
         "redis-py": RedisPyScripts(connection_pool=shop.connection_pool),
         "direct": shop,

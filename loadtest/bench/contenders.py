@@ -10,8 +10,8 @@ from typing import Any
 EVALSHA = "raw EVALSHA"
 EVALSHA_SELL = "take + row sale (SQL)"
 HOT_ROW = "hot row (SQL)"
-#: `lua` and `segmented` with group commit (FLASHSALE_BATCH_WRITES): their buyers are the
-#: threads of a few processes, and the checkouts in flight in one process are written together.
+#: `lua` and `segmented` with their buyers as the threads of a few processes: the checkouts in
+#: flight in one process are written together (a process of one buyer writes batches of one).
 LUA_BATCHED = "lua, batched"
 SEGMENTED_BATCHED = "segmented, batched"
 #: Row labels of the peers the lock targets name.
@@ -83,15 +83,15 @@ class Contender:
     strategy: str | None = None  # for kind "strategy": the strategy it runs
     hold_ms: int | None = None  # simulated work in the critical section; None: --hold-ms
     buyers: int | None = None  # buyers in all; None: --buyers
-    #: Buyers per process: 1, a process each; more, threads of one process, whose checkouts
-    #: in flight at once are written together when FLASHSALE_BATCH_WRITES is on.
+    #: Buyers per process: 1, a process each (a batch of one per checkout); more, threads of
+    #: one process, whose checkouts in flight at once are written together.
     threads: int = 1
     #: Settings the buyer processes run with (a variant of a strategy).
     settings: dict[str, Any] = field(default_factory=dict)
 
     @property
     def batched(self) -> bool:
-        return bool(self.settings.get("FLASHSALE_BATCH_WRITES"))
+        return self.threads > 1
 
 
 def warm_sku(contender: Contender) -> str:
@@ -187,9 +187,8 @@ def contenders_for(args: argparse.Namespace) -> list[Contender]:
             f"bench-{name}",
             safe=not oversells(name),
             strategy=name,
-            # A process per buyer, one script and one commit per sale; batched has a row of
+            # A process per buyer: one script and one commit per sale; batched has a row of
             # its own.
-            settings={"FLASHSALE_BATCH_WRITES": False},
         )
         for name in args.strategies
     ]
@@ -200,7 +199,6 @@ def contenders_for(args: argparse.Namespace) -> list[Contender]:
             f"bench-{name}-batched",
             strategy=name,
             threads=args.batch_threads,
-            settings={"FLASHSALE_BATCH_WRITES": True},
         )
         for name, label in (("lua", LUA_BATCHED), ("segmented", SEGMENTED_BATCHED))
         if name in args.strategies
@@ -214,7 +212,6 @@ def contenders_for(args: argparse.Namespace) -> list[Contender]:
                 strategy=name,
                 hold_ms=args.work_ms,
                 buyers=args.work_buyers,
-                settings={"FLASHSALE_BATCH_WRITES": False},
             )
             for name in ("lock", "segmented")
             if name in args.strategies

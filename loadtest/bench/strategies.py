@@ -16,12 +16,12 @@ until it answers sold out (`Busy` is counted and retried). buys/s is units sold 
 from the barrier to the last sale. Contenders, all in one run so that every figure has its
 baseline measured beside it:
 
-- the strategies themselves, a process per buyer, with FLASHSALE_BATCH_WRITES off (`lua` and
-  `segmented` run one script and one commit per sale);
+- the strategies themselves, a process per buyer (`lua` and `segmented`: each checkout a batch
+  of one, one script and one commit per sale);
 - `lua, batched` and `segmented, batched`: the same number of buyers as threads of processes
-  of --batch-threads threads each, with FLASHSALE_BATCH_WRITES on, so that the checkouts in
-  flight in one process are written together (`inventory.batching`), as a threaded web
-  server's would be; a line under the row gives the units per commit;
+  of --batch-threads threads each, so that the checkouts in flight in one process are written
+  together (`inventory.batching`), as a threaded web server's are; a line under the row gives
+  the units per commit;
 - `lock` and `segmented` again with --work-ms of simulated work inside each critical section
   (a call to another service, say), where the lock rather than the CPU limits `lock`: the case
   that shards are for;

@@ -1,5 +1,6 @@
-"""What `make serve` runs (inside shop.devservices): migrate, then gunicorn, a Celery
-worker and Celery beat (the order sweeper and reconciler).
+"""What `make serve` runs (inside shop.devservices): migrate, then the web server (granian, as
+docs/decisions/0001 chose it), a Celery worker and Celery beat (the order sweeper and
+reconciler).
 
 Usage: python -m shop.serve [--host 127.0.0.1] [--port 8000] [--workers 4]
 
@@ -16,16 +17,20 @@ import argparse
 import contextlib
 import fcntl
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import IO
 
 from .devservices import ROOT, die_with_parent, exit_status
+from .servers import GRANIAN_THREADS, GRANIAN_WORKERS, granian_command
 
 LOCK_PATH = ROOT / ".data" / "serve.lock"
+METRICS_DIR = ROOT / ".data" / "metrics"
 STOP_TIMEOUT_SECONDS = 15.0
 READY_TIMEOUT_SECONDS = 60.0
 #: A child that exits more than RESTART_LIMIT times in RESTART_WINDOW seconds is not started
@@ -123,12 +128,17 @@ class Server:
         # `/metrics` open to this machine, without the token; the worker's on the next port.
         os.environ.setdefault("FLASHSALE_METRICS_LOOPBACK", "true")
         os.environ.setdefault("FLASHSALE_WORKER_METRICS_PORT", str(self.port + 1))
+        # The web workers' metrics, summed at each scrape: a directory of this server's own,
+        # emptied first (files an earlier server left would be counted with this one's).
+        metrics = Path(os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str(METRICS_DIR)))
+        shutil.rmtree(metrics, ignore_errors=True)
+        metrics.mkdir(parents=True)
         self._spawn(
-            "the web server (gunicorn)",
-            [sys.executable, "-m", "gunicorn", "shop.wsgi:application"]
-            + ["--config", "python:shop.gunicorn_conf"]
-            + ["--bind", f"{self.host}:{self.port}", "--workers", str(self.workers)]
-            + ["--access-logfile", "-"],
+            "the web server (granian)",
+            granian_command(
+                host=self.host, port=self.port, workers=self.workers, threads=GRANIAN_THREADS
+            )
+            + ["--access-log"],
         )
         # The worker and beat log warnings and errors: at info, the sweeper's and reconciler's
         # tasks, every few seconds, would bury the requests and problems a reader looks for.
@@ -224,7 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--workers", type=int, default=4, help="gunicorn sync workers")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=GRANIAN_WORKERS,
+        help=f"granian workers, of {GRANIAN_THREADS} threads each (default {GRANIAN_WORKERS})",
+    )
     args = parser.parse_args(argv)
 
     url = display_url(args.host, args.port)

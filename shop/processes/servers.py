@@ -45,26 +45,48 @@ def stop_group(process: subprocess.Popen[bytes] | None, timeout: float) -> None:
         kill_group(process)
 
 
-#: The servers the shop can run under (`ShopServer.kind`): gunicorn's sync workers, gunicorn's
-#: gthread workers (`threads` each), granian's WSGI workers (`threads` blocking threads each),
-#: and uvicorn's ASGI workers (`shop.asgi`).
-SERVER_KINDS = ("sync", "gthread", "granian", "uvicorn")
+#: The servers the shop can run under (`ShopServer.kind`): granian's WSGI workers (`threads`
+#: blocking threads each: the shop's server, docs/decisions/0001), gunicorn's sync workers and
+#: gunicorn's gthread workers (`threads` each).
+SERVER_KINDS = ("granian", "sync", "gthread")
+
+
+#: The shop's server as `make serve`, compose and the load runs start it (docs/decisions/0001):
+#: granian's WSGI workers, of blocking threads each, so that a worker's checkouts in flight
+#: are written together. Four of four on two cores.
+GRANIAN_WORKERS = 4
+GRANIAN_THREADS = 4
+#: Where granian's logging is configured (the access log without the health polls).
+GRANIAN_LOGGING = "shop/granian_logging.json"
+
+
+def granian_command(*, host: str, port: int, workers: int, threads: int) -> list[str]:
+    """granian serving `shop.wsgi:application`: WSGI, `workers` processes of `threads` blocking
+    threads, a worker that dies started again at once."""
+    return [
+        *(sys.executable, "-m", "granian", "--interface", "wsgi", "--no-ws"),
+        *("--host", host, "--port", str(port)),
+        *("--workers", str(workers), "--blocking-threads", str(threads)),
+        *("--respawn-failed-workers", "--respawn-interval", "0.5"),
+        *("--log-config", GRANIAN_LOGGING),
+        "shop.wsgi:application",
+    ]
 
 
 class ShopServer:
-    """The shop on 127.0.0.1 (by default gunicorn `shop.wsgi:application`, sync workers), in
-    its own process group."""
+    """The shop on 127.0.0.1 (by default under granian, as `make serve` runs it), in its own
+    process group."""
 
     def __init__(
         self,
         *,
         env: dict[str, str] | None = None,
-        workers: int = 8,
+        workers: int = GRANIAN_WORKERS,
         port: int | None = None,
         log_path: Path | None = None,
         preload: bool = False,
-        kind: str = "sync",
-        threads: int = 1,
+        kind: str = "granian",
+        threads: int = GRANIAN_THREADS,
     ) -> None:
         """preload: import the app once, before the workers fork, so that every worker answers
         as soon as the first does (a measurement must not start while workers still boot);
@@ -92,20 +114,10 @@ class ShopServer:
 
     def command(self) -> list[str]:
         """The command line that serves the shop on this server's port."""
-        bind = ["--host", "127.0.0.1", "--port", str(self.port)]
         if self.kind == "granian":
-            return [
-                *(sys.executable, "-m", "granian", "--interface", "wsgi"),
-                *("--workers", str(self.workers), "--blocking-threads", str(self.threads)),
-                *bind,
-                *("--log-level", "warning", "--no-ws", "shop.wsgi:application"),
-            ]
-        if self.kind == "uvicorn":
-            return [
-                *(sys.executable, "-m", "uvicorn", "shop.asgi:application"),
-                *("--workers", str(self.workers), *bind),
-                *("--log-level", "warning", "--no-access-log", "--lifespan", "off"),
-            ]
+            return granian_command(
+                host="127.0.0.1", port=self.port, workers=self.workers, threads=self.threads
+            )
         threaded = (
             ["--worker-class", "gthread", "--threads", str(self.threads)]
             if self.kind == "gthread"

@@ -164,9 +164,7 @@ def test_the_pages_health_check_and_reconciler_work_on_a_cluster(cluster, cluste
 def test_lua_batches_take_each_sales_units_in_its_own_slot(cluster):
     # Given a threaded shop on the cluster, and two lua sales at once whose counters live in
     # two slots (a batch of a web process holds sales of both)
-    shop = start_shop(
-        kind="gthread", threads=4, REDIS_CLUSTER_NODES=cluster.nodes_setting
-    )
+    shop = start_shop(kind="gthread", threads=4, REDIS_CLUSTER_NODES=cluster.nodes_setting)
     try:
         skus = [f"cl-batched-{uuid.uuid4().hex[:8]}" for _ in range(2)]
         for sku in skus:

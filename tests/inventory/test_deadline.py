@@ -63,14 +63,12 @@ def _checkout_while(
         release()
 
 
-@pytest.mark.parametrize("batched", [True, False])
 @pytest.mark.parametrize("strategy", ["lua", "segmented", "lock", "optimistic"])
-def test_a_sale_statement_held_past_the_deadline_sells_nothing(settings, strategy, batched):
+def test_a_sale_statement_held_past_the_deadline_sells_nothing(settings, strategy):
     # Given a checkout deadline of 300 ms, and the sale's rows locked by another transaction
     # for longer (lock waits of their own outlast it: 5 s)
     settings.FLASHSALE_CHECKOUT_DEADLINE_MS = 300
     settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS = 5000
-    settings.FLASHSALE_BATCH_WRITES = batched
     start_sale(sku="held", stock=10, strategy=strategy)
     client = Client()
     assert _checkout(client, sku="held", qty=1, buyer="first").status_code == 201

@@ -39,10 +39,8 @@ BUYERS = 12
 STOPPED_SECONDS = 10.0
 #: PostgreSQL's time away in a restart.
 DOWN_SECONDS = 3.0
-#: The server the shop runs under (the adopted design, docs/decisions/0001).
-SERVER = {"kind": "gthread", "workers": 4, "threads": 4}
-if os.environ.get("FLASHSALE_TEST_FAULT_SERVER") == "sync":
-    SERVER = {"kind": "sync", "workers": 8, "threads": 1}
+#: The server the shop runs under (docs/decisions/0001).
+SERVER = {"kind": "granian", "workers": 4, "threads": 4}
 
 
 @dataclass

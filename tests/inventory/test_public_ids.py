@@ -77,7 +77,7 @@ def test_every_way_an_order_is_written_gives_it_a_time_ordered_id():
     # Then each stored id is a version 7 UUID made during the test, in the order of the writes
     stored = [
         Order.objects.get(pk=own.pk).public_id,
-        *(Order.objects.get(pk=answer["id"]).public_id for answer in batch),
+        *(Order.objects.get(pk=answer.order_id).public_id for answer in batch),
         Order.objects.get(pk=made.pk).public_id,
     ]
     assert [public_id.version for public_id in stored] == [7, 7, 7, 7]

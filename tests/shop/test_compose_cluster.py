@@ -26,7 +26,7 @@ from tests.shop.test_compose import check_entry_points, django_commands, shell_c
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_FILE = "docker-compose.cluster.yml"
-APP_SERVICES = ("web", "writer", "worker", "beat")
+APP_SERVICES = ("web", "worker", "beat")
 SCALED = ("web", "worker", "locust-worker")
 DOCKER_COMPOSE = shutil.which("docker-compose")
 
@@ -219,14 +219,6 @@ def test_scaled_services_have_no_container_name_and_no_host_port(stack, name):
     # `--scale NAME=N` starts N containers: a fixed name or host port would clash
     assert "container_name" not in stack[name]
     assert not stack[name].get("ports"), stack[name].get("ports")
-
-
-def test_web_replicas_share_the_one_writer_socket_volume(stack):
-    socket_dir = str(Path(_env(stack["web"])["FLASHSALE_SALE_WRITER"]).parent)
-    for name in ("web", "writer"):
-        mounts = {_target(volume): volume.split(":")[0] for volume in stack[name]["volumes"]}
-        assert mounts[socket_dir] == "writer-socket", name
-    assert "writer-socket" in merged_stack()["volumes"]
 
 
 def _directives(conf: str) -> dict[str, str]:

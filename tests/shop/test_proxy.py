@@ -29,7 +29,7 @@ SLOW_CLIENTS = 8
 @pytest.fixture
 def gunicorn() -> Iterator[ShopServer]:
     # Two sync workers: a handful of slow clients is enough to take them all.
-    server = ShopServer(env=server_env(), workers=2).start()
+    server = ShopServer(env=server_env(), kind="sync", workers=2, threads=1).start()
     yield server
     server.stop()
 

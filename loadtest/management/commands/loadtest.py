@@ -35,7 +35,7 @@ from loadtest.runs import (
     run_batch,
     run_rounds,
 )
-from shop.processes.servers import SERVER_KINDS
+from shop.processes.servers import GRANIAN_THREADS, GRANIAN_WORKERS, SERVER_KINDS
 
 
 class LiveProgress:
@@ -117,20 +117,23 @@ class Command(BaseCommand):
         )
         parser.add_argument("--qty", type=int, default=1, help="units per checkout")
         parser.add_argument(
-            "--server-workers", type=int, default=8, help="server workers when started here"
+            "--server-workers",
+            type=int,
+            default=GRANIAN_WORKERS,
+            help=f"server workers when started here (default {GRANIAN_WORKERS})",
         )
         parser.add_argument(
             "--server",
             choices=SERVER_KINDS,
-            default="sync",
-            help="the server started here: gunicorn's sync or gthread workers, granian's WSGI "
-            "workers, or uvicorn (ASGI) (default: sync)",
+            default="granian",
+            help="the server started here: granian's WSGI workers (the shop's), or gunicorn's "
+            "sync or gthread workers (default: granian)",
         )
         parser.add_argument(
             "--server-threads",
             type=int,
-            default=1,
-            help="threads per server worker, for gthread and granian (default 1)",
+            default=GRANIAN_THREADS,
+            help=f"threads per server worker, for granian and gthread (default {GRANIAN_THREADS})",
         )
         parser.add_argument(
             "--settle-timeout",
