@@ -191,8 +191,7 @@ def settle_orders(order_pks: list[int]) -> Settled:
             Order.objects.filter(pk__in=result.failed).update(
                 status=OrderStatus.FAILED, updated_at=now
             )
-            for order in declined:
-                stock.return_units(order)
+            stock.return_units_of(declined)
     metrics.ORDERS_SETTLED.labels("confirmed").inc(len(result.confirmed))
     metrics.ORDERS_SETTLED.labels("failed").inc(len(result.failed))
     settled_at = now.timestamp()

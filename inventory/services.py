@@ -104,9 +104,12 @@ def place_order(
             return _place(sku=sku, qty=qty, buyer=buyer, idempotency_key=idempotency_key)
         except DATABASE_DOWN_ERRORS as exc:
             # Nothing was sold: a sale statement whose connection was lost has been looked up
-            # again before this (`stock.sell`, `stock.sell_batch`).
+            # again before this (`stock.sell`, `stock.sell_batch`), and one the database rolled
+            # back (a deadlock, a serialization failure: SQLSTATE class 40) wrote nothing.
+            sqlstate = getattr(exc.__cause__, "sqlstate", None) or ""
+            what = "rolled the sale back" if sqlstate.startswith("40") else "is not answering"
             raise Busy(
-                f"{sku}: the database is not answering ({exc.__class__.__name__})",
+                f"{sku}: the database {what} ({exc.__class__.__name__}); nothing was sold",
                 retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
             ) from None
 

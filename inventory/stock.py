@@ -1036,25 +1036,48 @@ _ALLOWANCE = BuyerAllowance._meta.db_table
 
 
 def return_units(order: Order) -> None:
-    """Put a failed or expired order's units back where its sale took them from, and take them
-    off its buyer's allowance. Call once, in the transaction that moves the order to failed or
-    expired.
+    """Put a failed or expired order's units back (`return_units_of`, for one order)."""
+    return_units_of([order])
+
+
+def return_units_of(orders: Iterable[Order]) -> None:
+    """Put failed or expired orders' units back where their sales took them from, and take them
+    off their buyers' allowances. Call once per order, in the transaction that moves it to
+    failed or expired.
 
     Units taken from stock rows go back to those rows (they belong to the order's sale alone).
     Units taken from the item row go back only while the order's sale is still the item's
     current one: a restarted sale set the row afresh, and the old sale's units are not its own.
+
+    Rows are written in the lock order of every writer: the stock rows by (sale, index), then
+    the item rows, then the allowances by (sale, buyer), each once however many of the orders
+    took from it; a batch of sales writing the same rows meanwhile waits for this transaction,
+    or this for it, never both for each other.
     """
-    for index, units in sorted((int(i), u) for i, u in (order.shard_units or {}).items()):
-        StockShard.objects.filter(sale_id=order.sale_id, index=index).update(
+    rows: dict[tuple[int, int], int] = {}
+    items: dict[tuple[int, int], int] = {}
+    allowances: dict[tuple[int, str], int] = {}
+    for order in orders:
+        for index, units in (order.shard_units or {}).items():
+            key = (order.sale_id, int(index))
+            rows[key] = rows.get(key, 0) + units
+        if not order.shard_units:
+            key = (order.item_id, order.sale_id)
+            items[key] = items.get(key, 0) + order.qty
+        owed = (order.sale_id, order.buyer)
+        allowances[owed] = allowances.get(owed, 0) + order.qty
+    for (sale_id, index), units in sorted(rows.items()):
+        StockShard.objects.filter(sale_id=sale_id, index=index).update(
             stock=F("stock") + units, version=F("version") + 1
         )
-    if not order.shard_units:
-        Item.objects.filter(pk=order.item_id, current_sale_id=order.sale_id).update(
-            stock=F("stock") + order.qty, version=F("version") + 1
+    for (item_id, sale_id), units in sorted(items.items()):
+        Item.objects.filter(pk=item_id, current_sale_id=sale_id).update(
+            stock=F("stock") + units, version=F("version") + 1
         )
-    BuyerAllowance.objects.filter(sale_id=order.sale_id, buyer=order.buyer).update(
-        units=F("units") - order.qty
-    )
+    for (sale_id, buyer), units in sorted(allowances.items()):
+        BuyerAllowance.objects.filter(sale_id=sale_id, buyer=buyer).update(
+            units=F("units") - units
+        )
 
 
 def set_shard_stock(sale_id: int, index: int, units: int) -> None:

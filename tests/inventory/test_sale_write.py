@@ -486,3 +486,36 @@ def test_a_checkout_gives_up_on_a_row_another_transaction_holds_and_changes_noth
     # and once the row is free the same checkout goes through
     assert place_order(sku=sku, qty=1, buyer="b").order.qty == 1
     assert Item.objects.get(sku=sku).units_left == before[0] - 1
+
+
+def test_units_given_back_together_are_written_in_every_writers_lock_order(monkeypatch):
+    # Given two orders of a segmented sale, the first (by id) from shard 7, the second from
+    # shard 2, declined in one settle batch (as a worker declines a batch's payments)
+    from inventory.strategies import segmented
+
+    start_sale(sku="back-in-order", stock=20, strategy="segmented", limit=5)
+    sale = Item.objects.get(sku="back-in-order").current_sale_id
+    for index, buyer in ((7, "ann"), (2, "bob")):
+        monkeypatch.setattr(segmented.random, "randrange", lambda _, index=index: index)
+        place_order(sku="back-in-order", qty=1, buyer=buyer)
+    declined = list(Order.objects.filter(item__sku="back-in-order").order_by("pk"))
+    assert [order.shard_units for order in declined] == [{"7": 1}, {"2": 1}]
+
+    # When their units go back together
+    with CaptureQueriesContext(connections["default"]) as captured:
+        stock.return_units_of(declined)
+
+    # Then the stock rows are written in index order, before the allowances, as a batch of
+    # sales locks them: each waits for the other, never both for each other
+    shards = [
+        int(query["sql"].split('"index" = ')[1].split()[0])
+        for query in captured
+        if query["sql"].startswith('UPDATE "inventory_stockshard"')
+    ]
+    assert shards == [2, 7]
+    kinds = [query["sql"].split()[1] for query in captured]
+    assert kinds == ['"inventory_stockshard"', '"inventory_stockshard"'] + [
+        '"inventory_buyerallowance"'
+    ] * 2
+    # and every row holds its units again
+    assert set(StockShard.objects.filter(sale_id=sale).values_list("stock", flat=True)) == {2}

@@ -152,10 +152,13 @@ def test_a_peer_row_builds_the_peers_lock_through_the_strategies_seam(settings, 
     }[peer]
     assert import_string(PEERS[peer].factory)  # the path resolves
     settings.FLASHSALE_LOCK_FACTORY = PEERS[peer].factory
-    lock = plumbing.new_lock("bench-seam-test", strategy="lock")
+    lock = plumbing.new_lock("bench-seam-test", strategy="lock", peers=True)
     assert type(lock) is expected and lock.name == "bench-seam-test"
     settings.FLASHSALE_LOCK_FACTORY = "locking.Lock"
-    assert type(plumbing.new_lock("bench-seam-test", strategy="lock")).__module__ == "locking.lock"
+    assert (
+        type(plumbing.new_lock("bench-seam-test", strategy="lock", peers=True)).__module__
+        == "locking.lock"
+    )
 
 
 def test_the_lock_strategy_runs_a_peers_lock_when_the_seam_names_it(settings):

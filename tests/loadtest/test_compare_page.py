@@ -47,7 +47,6 @@ def _batch(batch: str) -> list[SaleRun]:
                     "host_busy": 0.97,
                     "per_unit_ms": {
                         "server": 1.83,
-                        "writer": 0.3,
                         "worker": 0.35,
                         "locust": 0.63,
                         "postgres": 0.47,
@@ -144,7 +143,7 @@ def test_the_latest_batch_is_compared_with_table_and_charts(staff_client):
     # and where the CPU went, per unit sold, for the runs that measured it (lua's here)
     cpu = page[page.index('id="cpu"') :]
     cpu = cpu[: cpu.index("</table>")]
-    assert re.search(r"<td>lua</td><td>1\.83</td><td>0\.30</td>.*<td>3\.73</td><td>97%</td>", cpu)
+    assert re.search(r"<td>lua</td><td>1\.83</td><td>0\.35</td>.*<td>3\.73</td><td>97%</td>", cpu)
     assert "unsafe" not in cpu
 
 
@@ -187,8 +186,8 @@ def test_a_run_started_from_the_page_runs_on_a_worker_and_appears(staff_client, 
             return done and (tmp_path / runs[0].batch / "report.html").exists()
 
         assert wait_until(finished, timeout=120, interval=1)
-        # and by then the processes started for the batch (its server, sale writer and order
-        # worker) have stopped: nothing outlives the task that started them
+        # and by then the processes started for the batch (its server and order worker) have
+        # stopped: nothing outlives the task that started them
         assert started_for_batch(SaleRun.objects.first().batch) == []
     finally:
         worker.stop()

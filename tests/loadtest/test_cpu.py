@@ -43,7 +43,7 @@ def test_a_process_and_its_children_are_counted_in_their_part_over_a_window():
     assert cpu["busy_cpu_seconds"] >= server * 0.95
     assert 0 < cpu["host_busy"] <= 1
     # and parts nothing ran for are not measured, rather than measured as zero
-    assert cpu["cpu_seconds"]["locust"] is None and cpu["cpu_seconds"]["writer"] is None
+    assert cpu["cpu_seconds"]["locust"] is None and cpu["cpu_seconds"]["worker"] is None
     # and nothing outside the samples is read
     assert meter.between(started - 60, ended) is None
 

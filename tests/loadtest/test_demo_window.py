@@ -70,13 +70,13 @@ def test_a_sized_sale_sells_through_its_window_then_sells_out(tmp_path):
     cpu = lua.audit["cpu"]
     assert cpu["seconds"] == pytest.approx(window["seconds"], abs=0.01)
     costs = cpu["per_unit_ms"]
-    assert all(costs[part] > 0 for part in ("server", "writer", "worker", "locust")), cpu
+    assert all(costs[part] > 0 for part in ("server", "worker", "locust")), cpu
     parts = sum(value for part, value in costs.items() if part != "all" and value is not None)
     # (each process's CPU and the host's are counted in clock ticks, read a scan of /proc apart:
     # over 2 s on 2 cores they agree to a few ticks of the ~400, not exactly)
     assert parts == pytest.approx(costs["all"], rel=0.03) and 0 < cpu["host_busy"] <= 1
     assert runs["baseline"].audit["cpu"]["per_request_ms"]["server"] > 0
-    assert re.search(r"^cpu ms per unit +server +writer", result.stdout, re.MULTILINE)
+    assert re.search(r"^cpu ms per unit +server +worker", result.stdout, re.MULTILINE)
     assert re.search(r"^lua +\d+\.\d\d +\d+\.\d\d", result.stdout, re.MULTILINE)
     # and unsafe shows its damage: units accepted beyond what its stock went down by
     unsafe = runs["unsafe"]

@@ -319,7 +319,7 @@ def _batch_of(stderr: bytes) -> str:
 def test_a_load_run_sent_sigterm_stops_what_it_started_and_says_the_run_was_interrupted(
     tmp_path,
 ):
-    # Given a load run whose server, sale writer, order worker and crowd are all running
+    # Given a load run whose server, order worker and crowd are all running
     process = _flooding(tmp_path)
 
     # When it is sent SIGTERM (a supervisor, a CI timeout)
@@ -338,7 +338,7 @@ def test_a_load_run_sent_sigterm_stops_what_it_started_and_says_the_run_was_inte
 
 
 def test_a_load_run_killed_outright_takes_what_it_started_with_it(tmp_path):
-    # Given a load run whose server, sale writer, order worker and crowd are all running
+    # Given a load run whose server, order worker and crowd are all running
     process = _flooding(tmp_path)
 
     # When it is killed with no chance to stop them (SIGKILL, the OOM killer)

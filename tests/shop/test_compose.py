@@ -251,7 +251,9 @@ def test_web_migrates_then_serves_the_wsgi_app_on_8000_under_granian(services):
     seen = check_entry_points(web["command"], django_commands())
     assert {"manage.py migrate", "granian"} <= seen, seen
     steps = shell_commands(web["command"])
-    assert any("0.0.0.0:8000" in argv for argv in steps), steps
+    (server,) = [argv for argv in steps if argv[0] == "granian"]
+    assert server[server.index("--host") + 1] == "0.0.0.0", server
+    assert server[server.index("--port") + 1] == "8000", server
     assert [str(port) for port in web["expose"]] == ["8000"]
 
 
