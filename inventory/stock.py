@@ -1075,9 +1075,7 @@ def return_units_of(orders: Iterable[Order]) -> None:
             stock=F("stock") + units, version=F("version") + 1
         )
     for (sale_id, buyer), units in sorted(allowances.items()):
-        BuyerAllowance.objects.filter(sale_id=sale_id, buyer=buyer).update(
-            units=F("units") - units
-        )
+        BuyerAllowance.objects.filter(sale_id=sale_id, buyer=buyer).update(units=F("units") - units)
 
 
 def set_shard_stock(sale_id: int, index: int, units: int) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from gunicorn.glogging import Logger
+
 #: Paths polled for health rather than asked by a buyer.
 HEALTH_POLLS = frozenset({"/healthz"})
 
@@ -25,13 +27,7 @@ class HealthPollsAtDebug(logging.Filter):
         return path not in HEALTH_POLLS or logging.getLogger("_granian").isEnabledFor(logging.DEBUG)
 
 
-try:
-    from gunicorn.glogging import Logger
-except ImportError:  # pragma: no cover - gunicorn is in requirements.txt
-    Logger = object  # type: ignore[assignment,misc]
-
-
-class AccessLog(Logger):  # type: ignore[misc,valid-type]
+class AccessLog(Logger):
     def access(self, resp: Any, req: Any, environ: dict[str, Any], request_time: Any) -> None:
         if req.path in HEALTH_POLLS and not self.error_log.isEnabledFor(logging.DEBUG):
             return

@@ -514,8 +514,9 @@ def test_units_given_back_together_are_written_in_every_writers_lock_order(monke
     ]
     assert shards == [2, 7]
     kinds = [query["sql"].split()[1] for query in captured]
-    assert kinds == ['"inventory_stockshard"', '"inventory_stockshard"'] + [
-        '"inventory_buyerallowance"'
-    ] * 2
+    assert (
+        kinds
+        == ['"inventory_stockshard"', '"inventory_stockshard"'] + ['"inventory_buyerallowance"'] * 2
+    )
     # and every row holds its units again
     assert set(StockShard.objects.filter(sale_id=sale).values_list("stock", flat=True)) == {2}
