@@ -5,9 +5,9 @@ it were across a network. No Django.
 
 Every connection made to 127.0.0.1:--listen is relayed to --to; what either side sends reaches
 the other --delay-ms later, in order (a round trip gains twice --delay-ms). Point a benchmark's
-`DATABASE_URL` at the listening port to time a database that far away, e.g. the sale writer's
-connections (`FLASHSALE_SALE_WRITER_CONNECTIONS`, docs/design.md). It runs on the cores it
-measures: its own CPU falls in every contender's figures alike.
+`DATABASE_URL` at the listening port to time a database that far away (a batch's statement
+across a network, say). It runs on the cores it measures: its own CPU falls in every
+contender's figures alike.
 """
 
 from __future__ import annotations

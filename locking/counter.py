@@ -20,7 +20,7 @@ def _positive_qty(qty: int) -> int:
 
 
 def _all_keys(counters: Sequence[Any]) -> bool:
-    """Whether every counter named is a key (a str). A sale writer's takes name the same few
+    """Whether every counter named is a key (a str). A web process's batches name the same few
     tuples of its sales' counters, again and again: a tuple is checked once."""
     if type(counters) is tuple:
         try:

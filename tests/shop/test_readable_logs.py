@@ -40,7 +40,6 @@ def test_make_serve_logs_requests_not_beat_s_timers_or_health_polls(tmp_path):
         **server_env(
             FLASHSALE_SWEEP_SECONDS=1,
             FLASHSALE_RECONCILE_SECONDS=1,
-            FLASHSALE_SALE_WRITER="",
             FLASHSALE_WORKER_METRICS_PORT=0,
         ),
     }

@@ -30,7 +30,7 @@ def processes_carrying(marker: str) -> list[int]:
 
 
 def started_for_batch(batch: str) -> list[int]:
-    """The processes started for a load-run batch: its server, sale writer and order worker."""
+    """The processes started for a load-run batch: its server and order worker."""
     return processes_carrying(f"-loadtest-{batch}")
 
 
