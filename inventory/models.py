@@ -172,6 +172,28 @@ class Sale(models.Model):
         return self.initial_stock + self.added_stock
 
 
+class SaleRepair(models.Model):
+    """Drift found between a sale's orders, its stock rows or item row and Redis, and put right:
+    by whom (`cause`) and what changed, a line each (`inventory.orders.reconcile_sale`)."""
+
+    class Cause(models.TextChoices):
+        RECONCILER = "reconciler", "the periodic reconciler"
+        COMMAND = "command", "sale reconcile"
+        REDIS_BACK = "redis_back", "Redis back after an outage"
+        PROCESS_START = "process_start", "a web process starting"
+
+    sale = models.ForeignKey(Sale, on_delete=models.CASCADE, related_name="repairs")
+    made_at = models.DateTimeField(auto_now_add=True)
+    cause = models.CharField(max_length=16, choices=Cause.choices)
+    changes = models.JSONField(default=list)
+
+    class Meta:
+        ordering = ["-made_at", "-pk"]
+
+    def __str__(self) -> str:
+        return f"{self.sale}: {self.get_cause_display()}, {len(self.changes)} change(s)"
+
+
 class OrderStatus(models.TextChoices):
     PENDING = "pending"
     PAID = "paid"

@@ -28,7 +28,15 @@ from django.template.defaultfilters import pluralize
 from django.utils import timezone
 
 from . import metrics, stock
-from .models import LIVE_STATUSES, Item, Order, OrderStatus, PaymentAttempt, StockShard
+from .models import (
+    LIVE_STATUSES,
+    Item,
+    Order,
+    OrderStatus,
+    PaymentAttempt,
+    SaleRepair,
+    StockShard,
+)
 from .publishing import GIVE_BACK_TASK, PROCESS_ORDER_TASK, OrderPublisher, hand_over, publish
 from .redis_client import REDIS_DOWN_ERRORS
 from .strategies import get_strategy
@@ -328,12 +336,22 @@ def sweep_orders(*, now=None, batch: int = 1000) -> SweepReport:
     return report
 
 
-def reconcile_sale(sku: str) -> list[str]:
+def reconcile_sale(sku: str, *, cause: str = SaleRepair.Cause.COMMAND) -> list[str]:
     """Recompute what is left from the orders; repair the stock rows or item row, and Redis.
 
     For an item sold from stock rows, also folds their total into the item row's stock.
-    Returns one line per change made (empty when everything already agreed).
+    Returns one line per change made (empty when everything already agreed); a repair that
+    changed anything is recorded (`SaleRepair`, with `cause`), which the audit lists.
     """
+    changes = _reconcile(sku)
+    if changes:
+        sale_id = Item.objects.filter(sku=sku).values_list("current_sale_id", flat=True).first()
+        if sale_id is not None:
+            SaleRepair.objects.create(sale_id=sale_id, cause=cause, changes=changes)
+    return changes
+
+
+def _reconcile(sku: str) -> list[str]:
     changes: list[str] = []
     with transaction.atomic():
         # The row locks (the sale's stock rows in index order, then the item: no writer locks

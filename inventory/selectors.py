@@ -13,7 +13,16 @@ from django.db.models import Count, QuerySet, Sum
 
 from .breaker import breaker
 from .exceptions import NotOnSale, UnknownSku
-from .models import LIVE_STATUSES, SKU_PATTERN, Item, Order, OrderStatus, Sale, StockShard
+from .models import (
+    LIVE_STATUSES,
+    SKU_PATTERN,
+    Item,
+    Order,
+    OrderStatus,
+    Sale,
+    SaleRepair,
+    StockShard,
+)
 from .redis_client import REDIS_DOWN_ERRORS, ping
 from .stock import prepared_cursor, shard_stocks
 from .strategies import get_strategy
@@ -217,7 +226,18 @@ def audit_sale(sku: str) -> dict[str, Any]:
         "units_by_status": {
             status.value: by_status.get(status, (0, 0))[1] for status in OrderStatus
         },
+        # What the recoveries and the reconciler found wrong and put right, latest first.
+        "repairs": [
+            {"at": made_at.isoformat(), "cause": cause, "changes": changes}
+            for made_at, cause, changes in SaleRepair.objects.filter(sale=sale).values_list(
+                "made_at", "cause", "changes"
+            )[:REPAIRS_SHOWN]
+        ],
     }
+
+
+#: The most repairs of a sale the audit lists.
+REPAIRS_SHOWN = 10
 
 
 #: The most items on sale whose figures `/metrics` reports one by one (a label value each).

@@ -8,7 +8,7 @@ from celery import shared_task
 from django.db import InterfaceError, OperationalError
 
 from . import orders
-from .models import Item
+from .models import Item, SaleRepair
 from .redis_client import REDIS_DOWN_ERRORS
 
 #: Errors worth retrying: the database or Redis was briefly unreachable.
@@ -68,5 +68,5 @@ def sweep_orders_task() -> dict[str, int]:
 def reconcile_sales_task() -> list[str]:
     changes: list[str] = []
     for sku in Item.objects.exclude(current_sale=None).values_list("sku", flat=True):
-        changes.extend(orders.reconcile_sale(sku))
+        changes.extend(orders.reconcile_sale(sku, cause=SaleRepair.Cause.RECONCILER))
     return changes

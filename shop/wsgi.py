@@ -21,3 +21,9 @@ if not (settings.SECRET_KEY_IS_SET or settings.DEBUG):
         "Set it (docker compose: in .env), or start it with `make serve`, which keeps one in "
         ".data/secret_key."
     )
+
+# A web process that died mid-sale may have left Redis short of the units it took: each one
+# that starts repairs the sales that sold lately (`inventory.recovery`), in a thread of its own.
+from inventory.recovery import repair_in_the_background  # noqa: E402 - needs Django set up
+
+repair_in_the_background()

@@ -124,6 +124,16 @@ class Command(BaseCommand):
 
 def _plain(value: object) -> str:
     """A figure of the audit as a reader reads it: `pending: 2, paid: 0`, not a Python dict."""
+    if isinstance(value, list):
+        return (
+            "; ".join(
+                f"{item['at']} ({item['cause']}): {', '.join(item['changes'])}"
+                if isinstance(item, dict) and "changes" in item
+                else _plain(item)
+                for item in value
+            )
+            or "-"
+        )
     if isinstance(value, dict):
         return ", ".join(f"{key}: {_plain(figure)}" for key, figure in value.items()) or "-"
     if value is None:
