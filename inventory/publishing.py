@@ -6,10 +6,10 @@ the workers (`inventory.tasks`), and what is never published the sweeper publish
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import threading
+from multiprocessing import util as multiprocessing_util
 
 import redis
 from celery import current_app
@@ -95,9 +95,11 @@ class OrderPublisher:
                 self._pending = []
                 self._wake = threading.Event()
                 threading.Thread(target=self._run, name="order-publisher", daemon=True).start()
-                # A process that exits cleanly (a gunicorn worker recycled or stopped) sends
-                # what it holds instead of leaving it to the sweeper.
-                atexit.register(self.flush_on_exit)
+                # A process that exits cleanly (a server's worker recycled or stopped) sends
+                # what it holds instead of leaving it to the sweeper. A finalizer, not atexit:
+                # it runs at the interpreter's exit and also where atexit never does, at the
+                # end of a multiprocessing child (granian's workers are).
+                multiprocessing_util.Finalize(None, self.flush_on_exit, exitpriority=10)
             self._pending += order_pks
             if len(self._pending) >= settings.FLASHSALE_PUBLISH_BATCH:
                 self._wake.set()

@@ -24,8 +24,9 @@ from inventory.services import place_order, start_sale
 from inventory.strategies import get_strategy
 from inventory.strategies.base import Allocation
 from inventory.tasks import dispatch_orders_task, settle_orders_task
+from loadtest.flood import flood
 from shop.processes.servers import PROJECT_DIR as ROOT
-from tests.conftest import TASK_QUEUE, server_env
+from tests.conftest import TASK_QUEUE, server_env, start_shop
 from tests.support import task_messages_carrying
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.embedded_smoke]
@@ -368,6 +369,26 @@ def test_a_process_that_exits_while_its_thread_sends_waits_for_that_send():
     assert _settle_messages_since(queued, order_pk) == [
         {"task": "inventory.tasks.settle_orders_task", "args": [[order_pk]]}
     ]
+
+
+def test_a_stopped_server_sends_the_orders_its_workers_still_hold():
+    # Given the shop's server, whose publishers would wait a minute before sending anything
+    # (granian's workers are multiprocessing children: the interpreter's atexit never runs)
+    start_sale(sku="server-exit", stock=12, strategy="lua")
+    queued = get_redis_client().llen(TASK_QUEUE)
+    server = start_shop(FLASHSALE_PUBLISH_INTERVAL_MS=60_000)
+    try:
+        result = flood(server.url, "server-exit", attempts=12, concurrency=4)
+    finally:
+        # When it is stopped as `make serve` and the tests stop it (SIGTERM to its group)
+        server.stop()
+    assert result.accepted == 12
+
+    # Then each order it sold went to the broker on the way out, once
+    placed = list(Order.objects.filter(item__sku="server-exit").values_list("pk", flat=True))
+    messages = task_messages_carrying(get_redis_client(), TASK_QUEUE, placed, since=queued)
+    carried = sorted(pk for message in messages for pk in message["args"][0])
+    assert carried == sorted(placed), messages
 
 
 _PREPARED = (
