@@ -18,11 +18,12 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 from django.db.models import Q, Sum
 from django.template.defaultfilters import pluralize
 from django.utils import timezone
@@ -343,12 +344,27 @@ def reconcile_sale(sku: str, *, cause: str = SaleRepair.Cause.COMMAND) -> list[s
     Returns one line per change made (empty when everything already agreed); a repair that
     changed anything is recorded (`SaleRepair`, with `cause`), which the audit lists.
     """
-    changes = _reconcile(sku)
-    if changes:
-        sale_id = Item.objects.filter(sku=sku).values_list("current_sale_id", flat=True).first()
-        if sale_id is not None:
-            SaleRepair.objects.create(sale_id=sale_id, cause=cause, changes=changes)
+    # One repair of a sale at a time, across processes: two (web processes starting together,
+    # the reconciler beside a breaker closing) would each find Redis short and each record the
+    # same repair. A session-level advisory lock, as Redis is repaired after the commit.
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", [RECONCILE_LOCK, sku])
+        try:
+            changes = _reconcile(sku)
+            if changes:
+                sale_id = (
+                    Item.objects.filter(sku=sku).values_list("current_sale_id", flat=True).first()
+                )
+                if sale_id is not None:
+                    SaleRepair.objects.create(sale_id=sale_id, cause=cause, changes=changes)
+        finally:
+            with suppress(DatabaseError):  # a connection lost took the lock with it
+                cursor.execute("SELECT pg_advisory_unlock(%s, hashtext(%s))", [RECONCILE_LOCK, sku])
     return changes
+
+
+#: The advisory-lock namespace of `reconcile_sale` (beside stock.py's writer gates').
+RECONCILE_LOCK = 0x46530003
 
 
 def _reconcile(sku: str) -> list[str]:
