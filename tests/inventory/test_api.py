@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from threading import Barrier
@@ -15,7 +14,9 @@ from django.test import Client
 from django.utils import timezone
 
 from inventory.models import Item, Order
+from inventory.selectors import database_now
 from inventory.services import start_sale
+from tests.conftest import wait_until
 
 pytestmark = [pytest.mark.django_db, pytest.mark.embedded_smoke]
 
@@ -334,17 +335,17 @@ def test_a_sale_opens_by_the_database_clock_whatever_the_hosts_clocks_say(
     # The host starting the sale runs an hour fast; the one serving checkouts an hour slow.
     real_now = timezone.now
     monkeypatch.setattr(timezone, "now", lambda: real_now() + timedelta(hours=1))
-    start_sale(sku="widget", stock=5, strategy=strategy, opens_in=1)
+    before = database_now()
+    start_sale(sku="widget", stock=5, strategy=strategy, opens_in=2)
+    after = database_now()
     monkeypatch.setattr(timezone, "now", lambda: real_now() - timedelta(hours=1))
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT statement_timestamp()")
-        database_now = cursor.fetchone()[0]
+    # (two seconds from the database's clock as the sale started)
     opens_at = Item.objects.get(sku="widget").current_sale.opens_at
-    assert timedelta(seconds=0.5) < opens_at - database_now <= timedelta(seconds=1)
+    assert before + timedelta(seconds=2) <= opens_at <= after + timedelta(seconds=2)
 
     # Before the database's clock reaches the opening: refused; after: sold, on every host
     assert _checkout(client, sku="widget", qty=1, buyer="ann").json()["error"] == "not_started"
-    time.sleep(1.1)
+    assert wait_until(lambda: database_now() >= opens_at, timeout=10, interval=0.05)
     assert _checkout(client, sku="widget", qty=1, buyer="ann").status_code == 201
     # and the pages judge it by the same clock (and give it to the page's script)
     assert 'data-phase="on_sale"' in client.get("/items/widget/").content.decode()

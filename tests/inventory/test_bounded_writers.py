@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 import uuid
 
 import psycopg
@@ -145,13 +144,11 @@ def test_the_fallback_keeps_one_connection_per_stock_row_with_redis_down(setting
     settings.REDIS_URL = "redis://127.0.0.1:1/0"
 
     # When the crowd buys it out
-    started = time.monotonic()
     with RowWaiters() as waiters:
         sold, _ = _sell_out(sku)
 
     # Then the database alone sold exactly the stock, from its rows, with no connection
     # waiting on a row (each gated writer holds its own row's gate)
-    assert time.monotonic() - started < 60
     assert sold == STOCK
     orders = Order.objects.filter(item__sku=sku)
     assert orders.count() == STOCK and not orders.exclude(fallback=True).exists()

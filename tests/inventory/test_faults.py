@@ -167,7 +167,7 @@ def _stop(process: Callable[[Shop], psutil.Process]) -> Callable[[Shop], None]:
         group = [stopped, *stopped.children(recursive=True)]
         for one in group:
             one.suspend()
-        time.sleep(STOPPED_SECONDS)
+        time.sleep(STOPPED_SECONDS)  # the fault: stopped this long, while the crowd buys
         for one in group:
             one.resume()
 
@@ -181,7 +181,7 @@ def _kill_redis(shop: Shop) -> None:
 
 def _stop_redis(shop: Shop) -> None:
     shop.redis.pause()
-    time.sleep(STOPPED_SECONDS)
+    time.sleep(STOPPED_SECONDS)  # the fault: stopped this long, while the crowd buys
     shop.redis.resume()
 
 

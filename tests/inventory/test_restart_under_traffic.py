@@ -4,7 +4,6 @@ took, no sale sells more than it started with, nothing deadlocks, and no buyer s
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 
 import pytest
@@ -15,11 +14,16 @@ from inventory.orders import reconcile_sale
 from inventory.selectors import audit_sale
 from inventory.services import start_sale
 from loadtest.flood import flood
+from tests.conftest import wait_until
 
 STOCK = 40
 RESTARTS = 3
 
 pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _sold_from_current_sale(sku: str) -> bool:
+    return Order.objects.filter(sale_id=Item.objects.get(sku=sku).current_sale_id).exists()
 
 
 @pytest.mark.parametrize("strategy", ["lock", "segmented", "lua", "optimistic"])
@@ -35,9 +39,10 @@ def test_restarting_a_sale_under_a_flood_never_sells_a_unit_twice(shop_server, s
     )
     crowd.start()
 
-    # When the sale is restarted three times while checkouts are in flight
+    # When the sale is restarted three times while checkouts are in flight, each time once the
+    # crowd has bought from the sale then current
     for _ in range(RESTARTS):
-        time.sleep(0.15)
+        assert wait_until(lambda: _sold_from_current_sale(sku), timeout=60, interval=0.01)
         start_sale(sku=sku, stock=STOCK, strategy=strategy)
     crowd.join(timeout=120)
     assert not crowd.is_alive()

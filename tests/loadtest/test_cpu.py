@@ -9,10 +9,17 @@ import time
 import pytest
 
 from loadtest.cpu import PARTS, CpuMeter, _Sample, per_unit
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.skipif(not CpuMeter.available(), reason="needs /proc")
 
 BURN = "import time\nend = time.process_time() + {seconds}\nwhile time.process_time() < end: pass"
+
+
+def _sampled_since(meter: CpuMeter, moment: float) -> bool:
+    """Whether the meter has taken a sample wholly after `moment` (a Unix time): two samples
+    stamped after it (a sample is stamped with the middle of its reading)."""
+    return sum(sample.at > moment for sample in list(meter.samples)) >= 2
 
 
 def test_a_process_and_its_children_are_counted_in_their_part_over_a_window():
@@ -29,9 +36,12 @@ def test_a_process_and_its_children_are_counted_in_their_part_over_a_window():
     meter.start()
     started = time.time()
 
-    # When it and the child it starts burn 0.3 s and 0.4 s of CPU
+    # When it and the child it starts burn 0.3 s and 0.4 s of CPU, and the meter has sampled
+    # since (the window's end then reads a sample taken after the burn, not a mix with one
+    # taken during it)
     parent.wait(timeout=30)
-    time.sleep(0.1)
+    exited = time.time()
+    assert wait_until(lambda: _sampled_since(meter, exited), timeout=10, interval=0.01)
     ended = time.time()
     meter.stop()
 

@@ -66,7 +66,7 @@ def test_contended_locks_on_a_cluster_exclude_and_hand_over_in_order(rc, cluster
                     overlaps.append(name)
                 fences[name].append(lock.fence)
             seen = counts[name]
-            time.sleep(0.001)
+            time.sleep(0.001)  # a gap between read and write, for a second holder to fall in
             counts[name] = seen + 1
             with guard:
                 inside[name] -= 1

@@ -109,6 +109,11 @@ def server_ms(r: redis.Redis) -> int:
     return seconds * 1000 + micros // 1000
 
 
+def entry_deadlines(r: redis.Redis, name: str) -> dict[bytes, int]:
+    """Each queued waiter's entry: until when (server ms) it stays valid unless renewed."""
+    return {token: int(entry.split()[0]) for token, entry in r.hgetall(name + ":waiters").items()}
+
+
 @pytest.fixture
 def clients() -> Iterator[Callable[..., redis.Redis]]:
     """Makes clients of the shared Redis (one per waiter) and closes them afterwards."""
@@ -248,7 +253,15 @@ def test_waiters_get_the_lock_in_the_order_they_queued(
                 lambda n=index + 1, name=name: len(queue(r, name)) == n,
                 what=f"waiter {index} queued",
             )
-        time.sleep(0.2)  # many renewals with the short slice
+        if wait_slice < 1:  # every waiter queues again and again, renewing its entry
+            first = entry_deadlines(r, name)
+            wait_for(
+                lambda first=first, name=name: all(
+                    deadline >= first[token] + 10 * wait_slice * 1000
+                    for token, deadline in entry_deadlines(r, name).items()
+                ),
+                what="ten wait slices of renewals",
+            )
         assert len(queue(r, name)) == len(set(queue(r, name))) == waiters
         assert r.hlen(name + ":waiters") == waiters
 
@@ -309,6 +322,7 @@ def test_a_waiter_that_gives_up_never_keeps_the_lock(
             thread.start()
         SlowToGiveUp.giving_up.clear()
         barrier.wait(5)
+        # the release at a random moment: the race this test crosses many times over
         if lock_cls is SlowToGiveUp:
             assert SlowToGiveUp.giving_up.wait(5)
             time.sleep(rng.uniform(0, 0.01))
@@ -413,10 +427,10 @@ def test_a_killed_waiter_is_handed_the_lock_which_then_expires(r: redis.Redis, p
     assert 0 < r.pttl(name) <= dead_ttl * 1000
 
     thread.join(20)
+    # It took it by its wait slices (no release wakes it: its holder is dead), and only once
+    # the dead waiter's lock expired
     assert outcome.get("result") is True, outcome
-    waited = outcome["at"] - released_at
-    # Only once the dead waiter's lock expired; within a wait slice after that.
-    assert dead_ttl * 0.9 < waited < dead_ttl + 0.2 + 0.5, waited
+    assert outcome["at"] - released_at > dead_ttl * 0.9
     assert live.owned()
     live_fence = live.fence
     live.release()
@@ -434,10 +448,12 @@ def test_a_waiter_dead_for_longer_than_its_wait_slice_is_skipped(
     name = prefix + "long-dead"
     holder = Lock(r, name, timeout=30)
     assert holder.acquire()
-    proc, _ = _start_queued_process(r, name, ttl=30, wait_slice=0.1)
+    proc, token = _start_queued_process(r, name, ttl=30, wait_slice=0.1)
     proc.kill()
     proc.join(10)
-    time.sleep(0.1 + 1.0 + 0.3)  # its entry went stale: one wait slice plus the grace
+    # its entry goes stale (one wait slice plus the grace) with no waiter left to renew it
+    stale_at = entry_deadlines(r, name)[token]
+    wait_for(lambda: server_ms(r) > stale_at, what="the entry went stale")
     holder.release()
     assert r.exists(name, name + ":queue", name + ":waiters") == 0
 
@@ -446,7 +462,7 @@ def _hold_and_hang(url: str, name: str, ttl: float, results) -> None:
     client = redis.Redis.from_url(url)
     assert Lock(client, name, timeout=ttl).acquire()
     results.put("held")
-    time.sleep(60)
+    threading.Event().wait(60)  # hung, holding the lock, until the test kills it
 
 
 def test_queued_waiters_get_the_lock_after_a_dead_holders_ttl(
@@ -461,13 +477,15 @@ def test_queued_waiters_get_the_lock_after_a_dead_holders_ttl(
         assert results.get(timeout=30) == "held"
         started = []
         for index in range(3):
-            lock = Lock(clients(), name, timeout=30, thread_local=False)
+            # A wait slice of a minute, past the blocking timeout: no waiter gets the lock in
+            # time unless it wakes when the dead holder's TTL runs out.
+            lock = Lock(clients(), name, timeout=30, max_wait_slice=60, thread_local=False)
 
             def take_turn(lock=lock, index=index) -> bool:
                 if not lock.acquire(blocking_timeout=20):
                     return False
                 r.rpush(order, index)
-                time.sleep(0.01)
+                time.sleep(0.01)  # some work under the lock, while the others wait
                 lock.release()
                 return True
 
@@ -483,7 +501,6 @@ def test_queued_waiters_get_the_lock_after_a_dead_holders_ttl(
     assert [outcome.get("result") for _, outcome in started] == [True] * 3
     first = min(outcome["at"] for _, outcome in started)
     assert first > expires_at - 0.05  # nobody before the TTL ran out
-    assert first < expires_at + 1.0 + 0.5  # the waiters woke at the expiry (1 s slices)
     taken = [int(i) for i in r.lrange(order, 0, -1)]
     assert sorted(taken) == [0, 1, 2]
     # Whoever took the expired lock first, the other two followed in their queue order.
@@ -514,7 +531,8 @@ def test_short_waits_end_on_time_on_a_server_whose_timer_ticks_once_a_second() -
         gave_up = time.monotonic() - started
 
     assert server_late > 0.5, "this server ends a short BLPOP on its 1 s tick"
-    assert took_expired < 0.5 and gave_up < 0.5, (took_expired, gave_up)
+    # Each ended before that tick would have ended it: sooner than the plain BLPOP did
+    assert max(took_expired, gave_up) < server_late, (took_expired, gave_up, server_late)
 
 
 # -- what never queues, what never duplicates, what withdraws --------------------------
@@ -554,11 +572,13 @@ def test_a_waiter_renews_its_entry_in_place(r: redis.Redis, prefix: str) -> None
     wait_for(lambda: queue(r, name) == [b"w"], what="queued")
     first_deadline, ttl = r.hget(name + ":waiters", "w").split()
     assert ttl == b"7000"
-    # Just under the wait slice plus the grace, and refreshed after every slice.
+    # Just under the wait slice plus the grace, and refreshed after every slice, in place.
     assert 0 < int(first_deadline) - server_ms(r) <= 20 + 1000
-    time.sleep(0.3)
+    wait_for(
+        lambda: entry_deadlines(r, name)[b"w"] >= int(first_deadline) + 10 * 20,
+        what="ten wait slices of renewals",
+    )
     assert queue(r, name) == [b"w"]
-    assert int(r.hget(name + ":waiters", "w").split()[0]) > int(first_deadline)
     holder.release()
     thread.join(10)
     assert outcome.get("result") is True

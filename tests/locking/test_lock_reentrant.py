@@ -15,11 +15,10 @@ def test_a_holder_takes_its_lock_again_and_keeps_it_until_the_last_release(r, pr
     assert outer.acquire(blocking=False)
     token = r.get(name)
 
-    # methodB, with a Lock of its own for the same name: taken again at once, same owner
+    # methodB, with a Lock of its own for the same name: taken again, same owner (waiting
+    # could not have got it: the outer holds it for 5 s, past the 2 s blocking timeout)
     inner = Lock(r, name, timeout=5, reentrant=True)
-    asked = time.monotonic()
     assert inner.acquire(blocking_timeout=2)
-    assert time.monotonic() - asked < 0.5
     assert r.get(name) == token and inner.owned()
 
     # nobody else gets it while either holds it

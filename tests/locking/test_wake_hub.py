@@ -33,6 +33,11 @@ def _connections(r: redis.Redis, name: str) -> list[dict]:
     return [entry for entry in r.client_list() if entry.get("name") == name]
 
 
+def _hub_blocked(r: redis.Redis, name: str) -> bool:
+    """Whether one of the connections named `name` (the hub's) is blocked in BLPOP."""
+    return any(entry["cmd"] == "blpop" for entry in _connections(r, name))
+
+
 def _queue(r: redis.Redis, name: str) -> list[bytes]:
     return r.lrange(f"{name}:queue", 0, -1)
 
@@ -80,7 +85,8 @@ def test_a_thousand_waiters_share_the_pools_connections_and_get_the_lock_in_turn
         # When a thousand threads of it queue for the lock
         _, threads, granted = _queue_waiters(client, r, name, 1000, hub)
         queued = _queue(r, name)
-        time.sleep(0.3)  # all of them waiting now
+        # all of them queued, waiting through the hub
+        assert _wait_until(lambda: _hub_blocked(r, client_name), 10)
         connections = _connections(r, client_name)
         # and the holder lets go (it must find a connection to do so)
         holder.release()
@@ -114,7 +120,7 @@ def test_the_holder_of_a_two_connection_pool_releases_at_once_past_its_waiters(
     assert holder.acquire()
     try:
         _, threads, granted = _queue_waiters(client, r, name, 2, hub)
-        time.sleep(0.3)
+        assert _wait_until(lambda: _hub_blocked(r, client_name), 10)  # both waiting through it
         holder.release()  # raises ConnectionError if no connection comes within 1 s
         for thread, _ in threads:
             thread.join(30)
@@ -138,9 +144,7 @@ def test_waiters_get_the_lock_when_the_hubs_connection_is_killed(
         _, threads, granted = _queue_waiters(client, r, name, 5, hub)
         queued = _queue(r, name)
         # When the hub's connection is killed while they wait, and the holder lets go
-        assert _wait_until(
-            lambda: any(e["cmd"] == "blpop" for e in _connections(r, client_name)), 10
-        )
+        assert _wait_until(lambda: _hub_blocked(r, client_name), 10)
         blocked = [e for e in _connections(r, client_name) if e["cmd"] == "blpop"]
         assert len(blocked) == 1
         r.execute_command("CLIENT", "KILL", "ID", blocked[0]["id"])
