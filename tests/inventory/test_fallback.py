@@ -62,10 +62,12 @@ def test_checkout_survives_redis_outage(outage_shop, private_redis, strategy, ou
     _sale_through_an_outage(outage_shop.url, private_redis, strategy, outage)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["segmented", "lua"])
 @pytest.mark.parametrize("outage", ["killed", "paused"])
 def test_batched_checkouts_survive_redis_outage(private_redis, strategy, outage):
-    # The same on a threaded server, whose checkouts in flight are batched
+    # The same on gunicorn's threaded workers, which batch too (the shop's own server, granian,
+    # batches already above: a slow test, with the other servers' fault matrices)
     server = start_shop(kind="gthread", threads=4, REDIS_URL=private_redis.url, **OUTAGE_SETTINGS)
     try:
         _sale_through_an_outage(server.url, private_redis, strategy, outage)
