@@ -41,8 +41,10 @@ from typing import Any, Literal
 from redis.exceptions import LockError, LockNotOwnedError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from . import scripts
 from .cluster import has_hash_tag, is_cluster
+from .scripts import ScriptCall, chain, script_for
+from .scripts import handover as handover_scripts
+from .scripts import lock as lock_scripts
 from .wakes import WakeHub, hub_for
 
 logger = logging.getLogger(__name__)
@@ -274,10 +276,10 @@ class Lock:
         self.local.token = None
         self.local.lease = None
         self.local.fence = None
-        self._take_or_queue_script = scripts.script_for(redis, scripts.TAKE_OR_QUEUE)
-        self._cancel_script = scripts.script_for(redis, scripts.CANCEL)
-        self._release_script = scripts.script_for(redis, scripts.RELEASE)
-        self._extend_script = scripts.script_for(redis, scripts.EXTEND)
+        self._take_or_queue_script = script_for(redis, handover_scripts.TAKE_OR_QUEUE)
+        self._cancel_script = script_for(redis, handover_scripts.CANCEL)
+        self._release_script = script_for(redis, handover_scripts.HAND_OVER)
+        self._extend_script = script_for(redis, lock_scripts.EXTEND)
 
     # -- context manager -------------------------------------------------------------
 
@@ -585,7 +587,7 @@ class Lock:
         """Release the lock: hand it to the first queued waiter, or delete it.
 
         ``after``: (a script's source, its keys, its arguments) to run first, in the same
-        call to Redis (`scripts.release_after`): one round trip where two would be, and the
+        call to Redis (`scripts.chain`): one round trip where two would be, and the
         next holder finds its effect. It runs whether or not the lock is still ours. On a
         cluster its keys must share the lock's slot.
 
@@ -608,14 +610,14 @@ class Lock:
                 if held[1] > 0:
                     if after is not None:  # still held: what was to go with the release goes alone
                         source, before_keys, before_args = after
-                        scripts.script_for(self.redis, source)(
+                        script_for(self.redis, source)(
                             keys=before_keys, args=before_args, client=self.redis
                         )
                     return  # taken more than once: still held
                 del _reentries.held[self._reentry_key]
         self._stop_watchdog()
         source, keys, args = _release_call(self.name, expected, after=after)
-        script = self._release_script if after is None else scripts.script_for(self.redis, source)
+        script = self._release_script if after is None else script_for(self.redis, source)
         released = script(keys=keys, args=args, client=self.redis)
         if not released:
             raise LockNotOwnedError(
@@ -703,17 +705,14 @@ class Lock:
             thread.join(timeout=1.0)
 
 
-def _release_call(
-    name: str, token: str | bytes, *, after: tuple[str, list[Any], list[Any]] | None = None
-) -> tuple[str, list[Any], list[Any]]:
+def _release_call(name: str, token: str | bytes, *, after: ScriptCall | None = None) -> ScriptCall:
     """What ``Lock.release`` sends for the lock ``name`` held with ``token`` (and ``after``, run
     first in the same call), as (script source, keys, arguments)."""
     keys: list[Any] = [name, f"{name}:queue", f"{name}:waiters"]
     args: list[Any] = [token, WAKE_TTL_MS]
     if after is None:
-        return scripts.RELEASE, keys, args
-    source, before_keys, before_args = after
-    return scripts.release_after(source), [*before_keys, *keys], [*before_args, *args]
+        return handover_scripts.HAND_OVER, keys, args
+    return chain(after, (handover_scripts.HAND_OVER, keys, args))
 
 
 def release_each_call(
@@ -722,9 +721,9 @@ def release_each_call(
     """One script call that releases several locks other processes took, each as
     ``Lock.release(after=(prelude, keys, args))`` would, hand-over included: ``releases`` holds,
     for each lock, its name, the token it is held with and ``prelude``'s keys and arguments for
-    it. Returned as (script source, keys, arguments) (`scripts.release_each`). The holders then
+    it. Returned as (script source, keys, arguments) (`release_each`). The holders then
     call ``Lock.released_elsewhere``. Its answer is a list of the releases' answers
-    (`scripts.RELEASE`): 2 when a lock went to its first waiter, 1 when it was deleted, 0 when
+    (`HAND_OVER`): 2 when a lock went to its first waiter, 1 when it was deleted, 0 when
     its token no longer held it (then only a queue entry of the token is withdrawn). Not for a
     Redis Cluster: the keys of one call must share a slot there."""
     keys: list[Any] = []
@@ -733,7 +732,7 @@ def release_each_call(
         _, release_keys, release_args = _release_call(name, token)
         keys += [*prelude_keys, *release_keys]
         args += [len(prelude_keys), len(prelude_args), *prelude_args, *release_args]
-    return scripts.release_each(prelude), keys, args
+    return handover_scripts.release_each(prelude), keys, args
 
 
 class _WatchdogStart:

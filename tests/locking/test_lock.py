@@ -27,6 +27,7 @@ from redis.retry import Retry
 import locking
 from locking import Lock, scripts
 from locking import lock as lock_module
+from locking.scripts.handover import HAND_OVER
 from shop.processes.redis_server import RedisServer
 from tests.support import gather_from_processes, redis_url, run_in_thread
 
@@ -229,9 +230,9 @@ def test_constructor_contract(r: redis.Redis) -> None:
 
 def test_scripts_registered_once_per_client(r: redis.Redis) -> None:
     other = redis.Redis.from_url(redis_url())
-    assert scripts.script_for(r, scripts.RELEASE) is scripts.script_for(r, scripts.RELEASE)
-    assert scripts.script_for(r, scripts.RELEASE) is not scripts.script_for(other, scripts.RELEASE)
-    assert scripts.script_for(other, scripts.RELEASE).registered_client is other
+    assert scripts.script_for(r, HAND_OVER) is scripts.script_for(r, HAND_OVER)
+    assert scripts.script_for(r, HAND_OVER) is not scripts.script_for(other, HAND_OVER)
+    assert scripts.script_for(other, HAND_OVER).registered_client is other
     other.close()
 
 
@@ -707,7 +708,7 @@ def test_locks_keep_working_after_redis_restarts_empty(server: RedisServer) -> N
     lock = Lock(client, "restart", timeout=5, watchdog=True)
     assert lock.acquire()
     lock.release()
-    release_sha = scripts.script_for(client, scripts.RELEASE).sha
+    release_sha = scripts.script_for(client, HAND_OVER).sha
     assert client.script_exists(release_sha) == [True]
     server.restart()
     assert client.script_exists(release_sha) == [False]
