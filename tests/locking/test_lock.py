@@ -25,8 +25,7 @@ from redis.exceptions import LockError, LockNotOwnedError
 from redis.retry import Retry
 
 import locking
-from locking import Lock, scripts
-from locking import lock as lock_module
+from locking import Lock, scripts, watchdog
 from locking.scripts.handover import HAND_OVER
 from shop.processes.redis_server import RedisServer
 from tests.support import gather_from_processes, redis_url, run_in_thread
@@ -420,7 +419,7 @@ def test_watchdog_renews_and_stops_on_release(r: redis.Redis, prefix: str) -> No
 def test_one_scheduler_wake_up_starts_every_watchdog_coming_due_soon() -> None:
     # A process selling hundreds of units a second schedules a lease per sale: woken once per
     # lease, the scheduler's thread would take a turn at the interpreter lock per sale.
-    scheduler = lock_module._WatchdogScheduler()
+    scheduler = watchdog._WatchdogScheduler()
     started: list[tuple[float, int]] = []
     done = threading.Event()
     soon = [0.05, 0.06, 0.07, 0.08]  # all within COALESCE of the first
@@ -434,9 +433,9 @@ def test_one_scheduler_wake_up_starts_every_watchdog_coming_due_soon() -> None:
             done.set()
 
     t0 = time.monotonic()
-    later = lock_module._Lease(b"later")
+    later = watchdog._Lease(b"later")
     for offset in soon:
-        scheduler.schedule(t0 + offset, lock_module._Lease(b"soon"), start)
+        scheduler.schedule(t0 + offset, watchdog._Lease(b"soon"), start)
     scheduler.schedule(t0 + 5.0, later, start)
     assert done.wait(5)
     # Each started with its own due time (its watchdog renews from then, not from the start):
