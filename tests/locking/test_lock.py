@@ -25,7 +25,7 @@ from redis.exceptions import LockError, LockNotOwnedError
 from redis.retry import Retry
 
 import locking
-from locking import Lock, scripts, watchdog
+from locking import Lock, LockCore, scripts, watchdog
 from locking.scripts.handover import HAND_OVER
 from shop.processes.redis_server import RedisServer
 from tests.support import gather_from_processes, redis_url, run_in_thread
@@ -98,9 +98,12 @@ def test_exceptions_are_redis_pys_own() -> None:
     assert locking.LockNotOwnedError is redis.exceptions.LockNotOwnedError
 
 
-@pytest.mark.parametrize("lock_cls", [redis.lock.Lock, Lock], ids=["redis-py", "locking"])
+@pytest.mark.parametrize(
+    "lock_cls", [redis.lock.Lock, LockCore, Lock], ids=["redis-py", "locking-core", "locking"]
+)
 def test_lock_contract(lock_cls, r: redis.Redis, prefix: str) -> None:
-    """One body, both implementations: code written for redis-py's lock works with ours."""
+    """One body, every implementation: code written for redis-py's lock works with ours, and
+    with our lock's core alone (which polls every `sleep`, as redis-py's does)."""
     name = prefix + "contract"
     lock = lock_cls(r, name, timeout=5)
     assert not lock.locked()
