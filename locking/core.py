@@ -1,7 +1,8 @@
 """The lock's core: redis-py's lock (SET NX PX, an owner token, compare-and-delete release,
 extend) plus a fencing token for every grant. `locking.Lock` is this core with its features
-composed around it (`handover`, `watchdog`, `reentrant`, `replicas`): each overrides one of
-the hooks below, ``_grant``, ``_held``, ``_letting_go``, ``_release_call``.
+composed around it (`handover`, `watchdog`, `reentrant`, `replicas`): each overrides hooks of
+the core (``_grant``, ``_held``, ``_letting_go``, ``_release_call``) or wraps ``acquire`` and
+``release``.
 
 Invariants: at most one token is stored under the lock's name; only the holder of that token
 releases or extends it; every grant's fence is greater than every earlier grant's of the name.
