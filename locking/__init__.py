@@ -7,14 +7,17 @@ errors from :class:`Lock` exactly as it does from :class:`redis.lock.Lock`.
 
 from redis.exceptions import LockError, LockNotOwnedError
 
+from .core import LockCore
 from .counter import Claim, KeyClaimed, StockCounter
-from .lock import Lock, release_each_call
+from .handover import release_each_call
+from .lock import Lock
 from .quorum import ProcessFences, QuorumLock
 
 __all__ = [
     "Claim",
     "KeyClaimed",
     "Lock",
+    "LockCore",
     "LockError",
     "LockNotOwnedError",
     "ProcessFences",

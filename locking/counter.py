@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, ClassVar
 
-from . import scripts
 from .cluster import by_slot, is_cluster
+from .scripts import counter as counter_scripts
+from .scripts import script_for
 
 
 def _positive_qty(qty: int) -> int:
@@ -123,14 +124,14 @@ class StockCounter:
 
     def __init__(self, redis: Any) -> None:
         self.redis = redis
-        self._take = scripts.script_for(redis, scripts.STOCK_TAKE)
-        self._take_spread = scripts.script_for(redis, scripts.STOCK_TAKE_SPREAD)
-        self._take_spread_many = scripts.script_for(redis, scripts.STOCK_TAKE_SPREAD_MANY)
-        self._lock_first = scripts.script_for(redis, scripts.LOCK_FIRST_HOLDING)
-        self._give_back = scripts.script_for(redis, scripts.STOCK_GIVE_BACK)
-        self._give_back_once = scripts.script_for(redis, scripts.STOCK_GIVE_BACK_ONCE)
-        self._delete_if_equal = scripts.script_for(redis, scripts.DELETE_IF_EQUAL)
-        self._set_newer = scripts.script_for(redis, scripts.STOCK_SET_NEWER)
+        self._take = script_for(redis, counter_scripts.STOCK_TAKE)
+        self._take_spread = script_for(redis, counter_scripts.STOCK_TAKE_SPREAD)
+        self._take_spread_many = script_for(redis, counter_scripts.STOCK_TAKE_SPREAD_MANY)
+        self._lock_first = script_for(redis, counter_scripts.LOCK_FIRST_HOLDING)
+        self._give_back = script_for(redis, counter_scripts.STOCK_GIVE_BACK)
+        self._give_back_once = script_for(redis, counter_scripts.STOCK_GIVE_BACK_ONCE)
+        self._delete_if_equal = script_for(redis, counter_scripts.DELETE_IF_EQUAL)
+        self._set_newer = script_for(redis, counter_scripts.STOCK_SET_NEWER)
 
     def take(self, key: str, qty: int) -> int:
         """Decrement ``key`` by ``qty`` if it holds at least ``qty``.
@@ -385,7 +386,11 @@ class StockCounter:
                 raise ValueError(f"version must be an int, got {version!r}")
             args += [_stock_value(value), version]
         names = list(levels)
-        return scripts.STOCK_SET_NEWER, [*names, *(version_key(name) for name in names)], args
+        return (
+            counter_scripts.STOCK_SET_NEWER,
+            [*names, *(version_key(name) for name in names)],
+            args,
+        )
 
     def get(self, key: str) -> int | None:
         """Current value of ``key``, None if it does not exist."""
@@ -413,7 +418,7 @@ def _stock_value(value: int) -> int:
 
 
 def take_spread_many_arguments(takes: Sequence[Take]) -> tuple[list[str], list[int | str]]:
-    """KEYS and ARGV of `scripts.STOCK_TAKE_SPREAD_MANY` for these takes (all in one slot)."""
+    """KEYS and ARGV of `STOCK_TAKE_SPREAD_MANY` for these takes (all in one slot)."""
     # Takes from the same counters send them once (a batch of one sale's checkouts).
     keys: list[str] = []
     sizes: list[int] = []

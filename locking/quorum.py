@@ -16,19 +16,12 @@ from typing import Any, Literal
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import LockError, LockNotOwnedError, RedisError
 
-from . import scripts
+from .scripts import lock as lock_scripts
+from .scripts import script_for
 
 logger = logging.getLogger(__name__)
 
 Number = int | float
-
-# KEYS[1] lock name; ARGV[1] token. Deletes the lock if it holds the token: 1, else 0.
-_RELEASE = """
-if redis.call('get', KEYS[1]) == ARGV[1] then
-    return redis.call('del', KEYS[1])
-end
-return 0
-"""
 
 # KEYS[1] lock name; ARGV[1] token, ARGV[2] TTL in ms. Resets the TTL if the lock holds the
 # token: 1, else 0.
@@ -141,8 +134,8 @@ class QuorumLock:
             if thread_local
             else SimpleNamespace(token=None, fence=None, lost=False, stop=None)
         )
-        self._release = [scripts.script_for(client, _RELEASE) for client in self.clients]
-        self._renew = [scripts.script_for(client, _RENEW) for client in self.clients]
+        self._release = [script_for(client, lock_scripts.RELEASE) for client in self.clients]
+        self._renew = [script_for(client, _RENEW) for client in self.clients]
 
     # -- context manager -------------------------------------------------------------
 

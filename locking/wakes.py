@@ -1,25 +1,16 @@
-"""One wake-up channel for all the lock waiters of a process.
+"""One wake-up channel for all the lock waiters of a process (`FifoHandOver`'s ``wake_hub``).
 
-A waiter of :class:`~locking.Lock` with no hub blocks in ``BLPOP`` on a wake key of its own,
-holding a connection for its whole wait: a thousand waiters hold a thousand connections, and
-with a bounded pool the holder may find none left to release or renew its lock.
+A waiter with no hub blocks in ``BLPOP`` on a wake key of its own, holding a connection for
+its whole wait: a thousand waiters hold a thousand connections, and with a bounded pool the
+holder may find none left to release or renew its lock. A :class:`WakeHub` gives every waiter
+of the process (of any lock on the same Redis) one list, ``<prefix>:<hub id>``, and one
+connection of its own that blocks on it, so the connections a process opens do not grow with
+its waiters.
 
-A :class:`WakeHub` gives every waiter of the process (of any lock on the same Redis) one list
-to be woken through, ``<prefix>:<hub id>``, and one connection of its own that blocks on it.
-A waiter registers its token with the hub before it queues; its queue entry names the hub's
-list, so the release that hands it the lock pushes ``<token> <fence>`` there; the hub's
-thread pops it and sets the waiter's event. Waiting costs a waiter no connection: it uses
-the client's pool only for its short scripts (queueing, renewing its entry after each wait
-slice, withdrawing), so the connections a process opens do not grow with its waiters.
-
-Nothing is lost if the hub misses a wake (its connection dropped with the reply in flight,
-its thread late): the release set the lock to the waiter's token before pushing, and the
-waiter's next queueing script, at the end of its wait slice, finds the lock holding its
-token and returns it granted, as it does without a hub.
-
-The hub's list expires a few seconds after the last wake pushed onto it (the release sets
-its TTL), so a process that dies leaves nothing behind. After a fork the child gets hubs of
-its own (`hub_for`): the thread and the connection stay with the parent.
+Invariants: nothing is lost if the hub misses a wake (the release set the lock to the waiter's
+token before pushing, and the waiter's next script finds it granted); the hub's list expires a
+few seconds after its last wake, so a process that dies leaves nothing behind; a forked child
+gets hubs of its own (`hub_for`). See docs/design.md#locks.
 """
 
 from __future__ import annotations
@@ -53,6 +44,14 @@ class _Waiter:
 
 class WakeHub:
     """Receives the lock hand-overs of this process's waiters on one list and one connection.
+
+    A waiter registers its token with the hub before it queues; its queue entry names the hub's
+    list, so the release that hands it the lock pushes ``<token> <fence>`` there; the hub's
+    thread pops it and sets the waiter's event. Waiting costs a waiter no connection: it uses
+    the client's pool only for its short scripts (queueing, renewing its entry after each wait
+    slice, withdrawing). A wake the hub misses (its connection dropped with the reply in flight,
+    its thread late) is found by the waiter's next queueing script, at the end of its wait
+    slice, which sees the lock holding its token, as it does without a hub.
 
     ``client`` is the Redis the locks live on; the hub opens one connection of its own to it,
     with the same connection settings, outside the client's pool (so it never takes one of

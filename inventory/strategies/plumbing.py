@@ -27,7 +27,7 @@ from django.conf import settings
 from django.utils.module_loading import import_string
 
 from locking import Lock, LockNotOwnedError, QuorumLock, StockCounter
-from locking import lock as lock_module
+from locking import watchdog as lock_watchdog
 from locking.cluster import by_slot, is_cluster
 
 from .. import deadline, keys, metrics
@@ -95,8 +95,8 @@ def _count_renewal(lock: Lock, renewed: bool) -> None:
     metrics.WATCHDOG_RENEWALS.labels(strategy, "renewed" if renewed else "failed").inc()
 
 
-if _count_renewal not in lock_module.watchdog_listeners:
-    lock_module.watchdog_listeners.append(_count_renewal)
+if _count_renewal not in lock_watchdog.listeners:
+    lock_watchdog.listeners.append(_count_renewal)
 
 
 @lru_cache(maxsize=8)

@@ -43,9 +43,11 @@ from typing import Any
 from django.conf import settings
 from django.db import connection
 
-from locking import Lock, release_each_call, scripts
+from locking import Lock, release_each_call
 from locking.cluster import is_cluster
 from locking.counter import LockFirst, StockCounter
+from locking.scripts import script_for
+from locking.scripts.counter import STOCK_SET_NEWER
 
 from .. import deadline, keys, stock
 from ..batching import Batcher, Expired
@@ -218,8 +220,8 @@ def _release(
     calls = [releases] if not is_cluster(client) else [[release] for release in releases]
     try:
         for group in calls:
-            source, names, args = release_each_call(scripts.STOCK_SET_NEWER, group)
-            scripts.script_for(client, source)(keys=names, args=args)
+            source, names, args = release_each_call(STOCK_SET_NEWER, group)
+            script_for(client, source)(keys=names, args=args)
     except REDIS_DOWN_ERRORS as exc:
         breaker.record_failure(exc)
         remember_unsettled((name, token.encode()) for name, token, _, _ in releases)

@@ -94,10 +94,10 @@ def _buy_by_evalsha_and_sell(sku: str, label: str, worker: int) -> Callable[[], 
 def _buy_by_evalsha(key: str) -> Callable[[], bool]:
     """The Redis ceiling: the check-and-DECRBY script of StockCounter.take, nothing else."""
     from inventory.redis_client import get_redis_client
-    from locking import scripts
+    from locking.scripts.counter import STOCK_TAKE
 
     client = get_redis_client()
-    sha = client.script_load(scripts.STOCK_TAKE)
+    sha = client.script_load(STOCK_TAKE)
 
     def buy() -> bool:
         left = int(client.evalsha(sha, 1, key, 1))

@@ -109,10 +109,11 @@ def _sales_block(sku: str, sales: int, buyers: Iterator[str]) -> Callable[[], fl
 
 def _calls_block(key: str) -> Callable[[], float]:
     from inventory.redis_client import get_redis_client
-    from locking import scripts
+    from locking.scripts import script_for
+    from locking.scripts.counter import STOCK_TAKE
 
     def block() -> float:
-        take = scripts.script_for(get_redis_client(), scripts.STOCK_TAKE)
+        take = script_for(get_redis_client(), STOCK_TAKE)
         started = time.process_time()
         for _ in range(CALLS_PER_BLOCK):
             take(keys=[key], args=[1])

@@ -23,7 +23,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import LockNotOwnedError
 from redis.retry import Retry
 
-from locking import Lock, ProcessFences, QuorumLock, StockCounter, scripts
+from locking import Lock, ProcessFences, QuorumLock, StockCounter
+from locking.scripts.handover import TAKE_OR_QUEUE
 from shop.processes.redis_server import RedisServer
 
 from .. import naive
@@ -294,7 +295,7 @@ class SetTimeoutSucceeded(Scenario):
         recorder = Recorder()
         ttl = 5.0
         # The scripts are loaded first: the lost reply must be the take's, not a NOSCRIPT.
-        client.script_load(scripts.TAKE_OR_QUEUE)
+        client.script_load(TAKE_OR_QUEUE)
         with LossyProxy(redis_host.port) as proxy:
             through = redis.Redis(port=proxy.port, socket_timeout=0.25, retry=Retry(NoBackoff(), 0))
             through.ping()

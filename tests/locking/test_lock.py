@@ -25,8 +25,8 @@ from redis.exceptions import LockError, LockNotOwnedError
 from redis.retry import Retry
 
 import locking
-from locking import Lock, scripts
-from locking import lock as lock_module
+from locking import Lock, LockCore, scripts, watchdog
+from locking.scripts.handover import HAND_OVER
 from shop.processes.redis_server import RedisServer
 from tests.conftest import wait_until
 from tests.support import gather_from_processes, redis_url, run_in_thread
@@ -99,9 +99,12 @@ def test_exceptions_are_redis_pys_own() -> None:
     assert locking.LockNotOwnedError is redis.exceptions.LockNotOwnedError
 
 
-@pytest.mark.parametrize("lock_cls", [redis.lock.Lock, Lock], ids=["redis-py", "locking"])
+@pytest.mark.parametrize(
+    "lock_cls", [redis.lock.Lock, LockCore, Lock], ids=["redis-py", "locking-core", "locking"]
+)
 def test_lock_contract(lock_cls, r: redis.Redis, prefix: str) -> None:
-    """One body, both implementations: code written for redis-py's lock works with ours."""
+    """One body, every implementation: code written for redis-py's lock works with ours, and
+    with our lock's core alone (which polls every `sleep`, as redis-py's does)."""
     name = prefix + "contract"
     lock = lock_cls(r, name, timeout=5)
     assert not lock.locked()
@@ -230,9 +233,9 @@ def test_constructor_contract(r: redis.Redis) -> None:
 
 def test_scripts_registered_once_per_client(r: redis.Redis) -> None:
     other = redis.Redis.from_url(redis_url())
-    assert scripts.script_for(r, scripts.RELEASE) is scripts.script_for(r, scripts.RELEASE)
-    assert scripts.script_for(r, scripts.RELEASE) is not scripts.script_for(other, scripts.RELEASE)
-    assert scripts.script_for(other, scripts.RELEASE).registered_client is other
+    assert scripts.script_for(r, HAND_OVER) is scripts.script_for(r, HAND_OVER)
+    assert scripts.script_for(r, HAND_OVER) is not scripts.script_for(other, HAND_OVER)
+    assert scripts.script_for(other, HAND_OVER).registered_client is other
     other.close()
 
 
@@ -422,7 +425,7 @@ def test_watchdog_renews_and_stops_on_release(r: redis.Redis, prefix: str) -> No
 def test_one_scheduler_wake_up_starts_every_watchdog_coming_due_soon() -> None:
     # A process selling hundreds of units a second schedules a lease per sale: woken once per
     # lease, the scheduler's thread would take a turn at the interpreter lock per sale.
-    scheduler = lock_module._WatchdogScheduler()
+    scheduler = watchdog._WatchdogScheduler()
     started: list[tuple[float, int]] = []
     done = threading.Event()
     soon = [0.05, 0.06, 0.07, 0.08]  # all within COALESCE of the first
@@ -436,9 +439,9 @@ def test_one_scheduler_wake_up_starts_every_watchdog_coming_due_soon() -> None:
             done.set()
 
     t0 = time.monotonic()
-    later = lock_module._Lease(b"later")
+    later = watchdog._Lease(b"later")
     for offset in soon:
-        scheduler.schedule(t0 + offset, lock_module._Lease(b"soon"), start)
+        scheduler.schedule(t0 + offset, watchdog._Lease(b"soon"), start)
     scheduler.schedule(t0 + 5.0, later, start)
     assert done.wait(5)
     # Each started with its own due time (its watchdog renews from then, not from the start):
@@ -722,7 +725,7 @@ def test_locks_keep_working_after_redis_restarts_empty(server: RedisServer) -> N
     lock = Lock(client, "restart", timeout=5, watchdog=True)
     assert lock.acquire()
     lock.release()
-    release_sha = scripts.script_for(client, scripts.RELEASE).sha
+    release_sha = scripts.script_for(client, HAND_OVER).sha
     assert client.script_exists(release_sha) == [True]
     server.restart()
     assert client.script_exists(release_sha) == [False]

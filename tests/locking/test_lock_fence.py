@@ -116,14 +116,14 @@ def test_fences_go_on_growing_after_redis_restarted_empty() -> None:
 def test_the_watchdog_tells_its_listeners_of_each_renewal_and_of_the_loss(
     r: redis.Redis, prefix: str
 ) -> None:
-    from locking import lock as lock_module
+    from locking import watchdog
 
     heard: list[tuple[str, bool]] = []
 
     def listener(lock: Lock, renewed: bool) -> None:
         heard.append((lock.name, renewed))
 
-    lock_module.watchdog_listeners.append(listener)
+    watchdog.listeners.append(listener)
     try:
         name = prefix + "watched"
         lock = Lock(r, name, timeout=0.3, watchdog=True)
@@ -137,4 +137,4 @@ def test_the_watchdog_tells_its_listeners_of_each_renewal_and_of_the_loss(
             time.sleep(0.01)
         assert heard[-1] == (name, False) and lock.lost
     finally:
-        lock_module.watchdog_listeners.remove(listener)
+        watchdog.listeners.remove(listener)
