@@ -60,7 +60,7 @@ from inventory.selectors import audit_sale
 from inventory.services import start_sale
 from inventory.strategies import oversells, strategy_names
 from shop import queues
-from shop.processes.devservices import die_with_parent
+from shop.processes.children import die_with_parent
 from shop.processes.servers import (
     GRANIAN_THREADS,
     GRANIAN_WORKERS,
