@@ -73,7 +73,8 @@ from shop.processes.servers import (
 from .bench.measure import percentile_ms, stat_fields
 from .cpu import CpuMeter, per_unit
 from .models import SaleRun
-from .report import BASELINE, summary_line, write_report
+from .report.columns import BASELINE, summary_line
+from .report.files import write_report
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from django.contrib.auth.models import User
 from django.test import Client
 
 from loadtest.models import SaleRun
-from loadtest.report import table
+from loadtest.report.text import table
 from loadtest.runs import LoadRunSettings, measure_window, settle_figures
 from shop.processes.servers import PROJECT_DIR as ROOT
 from tests.conftest import server_env

@@ -12,7 +12,7 @@ import pytest
 
 from inventory.models import LIVE_STATUSES, Order
 from loadtest.models import SaleRun
-from loadtest.report import notes
+from loadtest.report.columns import notes
 from loadtest.runs import LoadRunSettings, _history, http_totals, latest_rates, run_batch
 from tests.conftest import TEST_API_TOKEN
 

@@ -18,14 +18,9 @@ from django.db.migrations.executor import MigrationExecutor
 from inventory.exceptions import InvalidRequest
 from inventory.strategies import oversells, strategy_names
 from loadtest import sandbox
-from loadtest.report import (
-    BASELINE,
-    cpu_table,
-    round_figures,
-    rounds_summary,
-    stranded,
-    table,
-)
+from loadtest.report.columns import BASELINE, stranded
+from loadtest.report.ratios import round_figures
+from loadtest.report.text import cpu_table, rounds_summary, table
 from loadtest.runs import (
     BATCH_ID,
     MAX_ROUNDS,
