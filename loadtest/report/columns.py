@@ -55,7 +55,7 @@ LEGEND = (
 
 
 def window_of(run: SaleRun) -> dict[str, Any]:
-    """The run's measured window (see loadtest.runs.measure_window); empty for a baseline."""
+    """The run's measured window (see `loadtest.runs.window`); empty for a baseline."""
     return run.audit.get("window") or {}
 
 

@@ -21,15 +21,8 @@ from loadtest import sandbox
 from loadtest.report.columns import BASELINE, stranded
 from loadtest.report.ratios import round_figures
 from loadtest.report.text import cpu_table, rounds_summary, table
-from loadtest.runs import (
-    BATCH_ID,
-    MAX_ROUNDS,
-    SETTLE_TIMEOUT,
-    Batch,
-    LoadRunSettings,
-    run_batch,
-    run_rounds,
-)
+from loadtest.runs.batch import BATCH_ID, MAX_ROUNDS, Batch, run_batch, run_rounds
+from loadtest.runs.config import SETTLE_TIMEOUT, LoadRunSettings
 from shop.processes.servers import GRANIAN_THREADS, GRANIAN_WORKERS, SERVER_KINDS
 
 
