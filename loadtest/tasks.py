@@ -12,7 +12,7 @@ from django.conf import settings as django_settings
 
 from loadtest.models import SaleRun
 
-from .runs import LoadRunSettings
+from .runs.config import LoadRunSettings
 
 logger = logging.getLogger(__name__)
 

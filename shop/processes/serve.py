@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 from typing import IO
 
-from .devservices import ROOT, die_with_parent, exit_status
+from .children import die_with_parent, exit_status
+from .embedded import ROOT
 from .servers import GRANIAN_THREADS, GRANIAN_WORKERS, granian_command
 
 LOCK_PATH = ROOT / ".data" / "serve.lock"

@@ -21,7 +21,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from .devservices import die_with_parent
+from .children import die_with_parent
 from .ports import free_port
 
 PROJECT_DIR = Path(__file__).resolve().parents[2]

@@ -10,14 +10,9 @@ from django.contrib.auth.models import User
 from django.test import Client
 
 from loadtest.models import SaleRun
-from loadtest.report import (
-    comparisons,
-    goodput_ratios,
-    round_figures,
-    rounds_summary,
-    table,
-    write_report,
-)
+from loadtest.report.files import write_report
+from loadtest.report.ratios import comparisons, goodput_ratios, round_figures
+from loadtest.report.text import rounds_summary, table
 
 
 def _batch(name: str, goodput: dict[str, float | None], baseline: float | None) -> list[SaleRun]:

@@ -13,8 +13,10 @@ from django.contrib.auth.models import User
 from django.test import Client
 
 from loadtest.models import SaleRun
-from loadtest.report import table
-from loadtest.runs import LoadRunSettings, measure_window, settle_figures
+from loadtest.report.text import table
+from loadtest.runs.config import LoadRunSettings
+from loadtest.runs.recording import settle_figures
+from loadtest.runs.window import measure_window
 from shop.processes.servers import PROJECT_DIR as ROOT
 from tests.conftest import server_env
 

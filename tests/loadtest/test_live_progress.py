@@ -13,7 +13,7 @@ from django.test import Client
 
 from loadtest.management.commands.loadtest import LiveProgress
 from loadtest.models import SaleRun
-from loadtest.runs import latest_rates
+from loadtest.runs.locust_driver import latest_rates
 
 HEADER = (
     "Timestamp,User Count,Type,Name,Requests/s,Failures/s,50%,95%,"

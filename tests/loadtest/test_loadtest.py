@@ -21,7 +21,8 @@ from django.db import connection
 from inventory.models import Item, Order
 from inventory.services import start_sale
 from loadtest.models import SaleRun
-from loadtest.runs import LOCUSTFILE, end_orphaned_runs
+from loadtest.runs.locust_driver import LOCUSTFILE
+from loadtest.runs.recording import end_orphaned_runs
 from loadtest.sandbox import database_name
 from shop.processes.servers import PROJECT_DIR as ROOT
 from tests.conftest import TEST_API_TOKEN, server_env, test_database_url, wait_until

@@ -9,14 +9,9 @@ from pathlib import Path
 import pytest
 
 from loadtest.models import SaleRun
-from loadtest.runs import (
-    LoadRunSettings,
-    _history,
-    _record_baseline_rate,
-    _record_window_rate,
-    http_totals,
-    requests_between,
-)
+from loadtest.runs.config import LoadRunSettings
+from loadtest.runs.locust_driver import http_totals, read_history
+from loadtest.runs.window import record_baseline_rate, record_window_rate, requests_between
 
 HEADER = (
     "Timestamp,User Count,Type,Name,Requests/s,Failures/s,95%,Total Request Count,"
@@ -85,7 +80,7 @@ def test_an_entry_written_twice_in_one_second_counts_once(tmp_path):
 def test_the_history_s_rate_each_second_is_the_requests_of_that_second(tmp_path):
     history = _crowd(tmp_path / "h.csv", [0, 200, 800, 1800])
 
-    samples = _history(history, qty=1)
+    samples = read_history(history, qty=1)
 
     assert [sample["requests_per_second"] for sample in samples] == [0, 200, 600, 1000]
     assert [sample["t"] for sample in samples] == [0, 1, 2, 3]
@@ -107,7 +102,7 @@ def test_the_baseline_s_rate_is_its_rate_once_the_crowd_is_in(tmp_path):
     run = SaleRun(strategy="baseline", requests_per_second=760.0, audit={})
 
     # When its rate is recorded
-    _record_baseline_rate(run, tmp_path / "baseline", config, _NoCpu())
+    record_baseline_rate(run, tmp_path / "baseline", config, _NoCpu())
 
     # Then it is the rate from once the crowd is in to the end, what the strategies' units/s
     # are held against, and Locust's whole-run figure stays beside it
@@ -127,7 +122,7 @@ def test_a_sale_s_rate_is_its_rate_over_its_measured_window(tmp_path):
     window = {"units": 1500, "starts_at": 1002.5, "ends_at": 1004.5}
     run = SaleRun(strategy="lua", requests_per_second=1225.0, audit={"window": window})
 
-    _record_window_rate(run, tmp_path / "lua")
+    record_window_rate(run, tmp_path / "lua")
 
     assert run.requests_per_second == pytest.approx(1000)
     assert run.audit["http"]["from"] == 1002.5 and run.audit["http"]["to"] == 1004.5
@@ -138,6 +133,6 @@ def test_a_sale_with_no_window_keeps_locust_s_figure(tmp_path):
     _crowd(tmp_path / "lua_stats_history.csv", [0, 10, 20])
     run = SaleRun(strategy="lua", requests_per_second=10.0, audit={"window": {"units": 0}})
 
-    _record_window_rate(run, tmp_path / "lua")
+    record_window_rate(run, tmp_path / "lua")
 
     assert run.requests_per_second == 10.0 and "http" not in run.audit

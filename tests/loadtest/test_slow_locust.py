@@ -12,8 +12,10 @@ import pytest
 
 from inventory.models import LIVE_STATUSES, Order
 from loadtest.models import SaleRun
-from loadtest.report import notes
-from loadtest.runs import LoadRunSettings, _history, http_totals, latest_rates, run_batch
+from loadtest.report.columns import notes
+from loadtest.runs.batch import run_batch
+from loadtest.runs.config import LoadRunSettings
+from loadtest.runs.locust_driver import http_totals, latest_rates, read_history
 from tests.conftest import TEST_API_TOKEN
 
 #: Put in front of the Locust processes a load run starts (through PYTHONPATH): the interpreter
@@ -132,8 +134,8 @@ def test_a_history_read_while_locust_writes_it_counts_only_its_whole_rows(tmp_pa
     for path in (cut, stub):
         assert http_totals(path) == http_totals(whole) == [(1000, 100), (1001, 300)]
         assert latest_rates(path) == latest_rates(whole) == (200.0, 2)
-        assert _history(path, qty=1) == _history(whole, qty=1)
-    assert [sample["units_sold"] for sample in _history(cut, qty=1)] == [100, 300]
+        assert read_history(path, qty=1) == read_history(whole, qty=1)
+    assert [sample["units_sold"] for sample in read_history(cut, qty=1)] == [100, 300]
 
 
 @pytest.mark.parametrize(
@@ -148,4 +150,4 @@ def test_a_history_locust_has_not_written_yet_reads_as_empty(tmp_path, text):
 
     assert http_totals(path) == []
     assert latest_rates(path) == (0.0, 0)
-    assert _history(path, qty=1) == []
+    assert read_history(path, qty=1) == []

@@ -36,7 +36,7 @@ def started_for_batch(batch: str) -> list[int]:
 
 def runner_of(pid: int, **changes: Any) -> dict[str, Any]:
     """A load run's `SaleRun.runner` as process `pid` of this host records it."""
-    from loadtest.runs import runner_record
+    from loadtest.runs.recording import runner_record
 
     return {**runner_record(pid), **changes}
 

@@ -18,23 +18,11 @@ from django.db.migrations.executor import MigrationExecutor
 from inventory.exceptions import InvalidRequest
 from inventory.strategies import oversells, strategy_names
 from loadtest import sandbox
-from loadtest.report import (
-    BASELINE,
-    cpu_table,
-    round_figures,
-    rounds_summary,
-    stranded,
-    table,
-)
-from loadtest.runs import (
-    BATCH_ID,
-    MAX_ROUNDS,
-    SETTLE_TIMEOUT,
-    Batch,
-    LoadRunSettings,
-    run_batch,
-    run_rounds,
-)
+from loadtest.report.columns import BASELINE, stranded
+from loadtest.report.ratios import round_figures
+from loadtest.report.text import cpu_table, rounds_summary, table
+from loadtest.runs.batch import BATCH_ID, MAX_ROUNDS, Batch, run_batch, run_rounds
+from loadtest.runs.config import SETTLE_TIMEOUT, LoadRunSettings
 from shop.processes.servers import GRANIAN_THREADS, GRANIAN_WORKERS, SERVER_KINDS
 
 

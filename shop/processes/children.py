@@ -1,0 +1,34 @@
+"""Helpers for the child processes the tooling starts and watches.
+
+`die_with_parent` is the `preexec_fn` every long-lived child gets: the kernel sends it SIGTERM
+if its starter dies without stopping it, so none outlives the process that started it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def die_with_parent() -> None:
+    """preexec_fn: have the kernel SIGTERM this child if the runner itself is killed."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+
+
+def exit_status(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
