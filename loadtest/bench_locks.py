@@ -1,22 +1,16 @@
-"""Lock hand-over benchmark: our lock and the peer locks alone, no database, no Django.
+"""The lock alone: our lock and the peer locks, with no database and no Django.
 
     python -m loadtest.bench_locks [--buyers 8] [--duration 3] [--hold-ms 0.5]
         [--outside-ms 0 0.3 1] [--locks ours,redis-py,redis-py-5ms,python-redis-lock]
-        [--json PATH]
 
-Needs REDIS_URL. --buyers processes loop, for --duration seconds per row: --outside-ms of CPU
-work of their own (what a checkout does outside the lock: reading the item, building the
-request), then acquire, --hold-ms of waiting inside the critical section (the sale statement,
-a round trip to the database), release. Inside, each holder also reads a counter, and writes it
-back plus one: a lock that ever let two holders in loses an update, which the run counts and
-fails on.
-
-What it shows: how much of the lock's throughput comes from the lock itself. A lock that hands
-itself to the next waiter (ours) keeps the critical section busy while the releaser does its
-outside work, and pays one process wake-up per hand-over. A lock whose waiters sleep and poll
-(redis-py, python-redis-lock) lets the releaser take it again at once (no wake-up), and leaves
-it idle while the releaser works outside it. Which one sells faster depends on the outside work
-against the cost of a wake-up; p99 wait shows what each pays for it.
+Needs REDIS_URL. --buyers processes loop, for --duration seconds a row: --outside-ms of CPU work
+of their own (what a checkout does outside the lock), acquire, --hold-ms inside (about one sale
+statement), release. Invariant held: each holder also reads a counter and writes it back plus
+one, so a lock that ever let two holders in loses an update; the run counts them and exits 1 if
+any was lost. What it shows: a lock that hands itself to the next waiter (ours) keeps the
+critical section busy while the releaser works outside it, at one wake-up a hand-over; one whose
+waiters poll lets the releaser take it again at once. See docs/benchmarks.md#the-lock-alone and
+docs/decisions/0004-lock-hands-itself-to-the-longest-waiter.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
-"""Waiters and connections: a crowd of lock waiters in one process, with and without the
+"""Lock waiters and connections: a crowd of lock waiters in one process, with and without the
 process's wake hub (`locking.wakes`). No database, no Django.
 
     python -m loadtest.bench_waiters [--waiters 1000] [--pool 8] [--rounds 3] [--json PATH]
 
-Needs REDIS_URL. Each round, for each mode: a holder takes one lock, --waiters threads of this
-process queue for it (each with its own token), and once all are queued the holder lets go;
-each waiter, handed the lock, lets it go at once, so the lock passes down the whole queue. It
-measures the connections this process has open on Redis while they wait (`CLIENT LIST`, by the
-client name the round gives its clients), each hand-over (from one waiter sending its release
-to the next one's acquire returning, both timed in this process), the process's CPU per
-hand-over, and whether the lock went down the queue in the order the waiters queued.
-
-The modes:
-
-- `own wakes`: each waiter blocks in BLPOP on a wake key of its own, on a connection of its own
-  (a pool big enough to open one per waiter);
-- `own wakes, bounded pool`: the same with a BlockingConnectionPool of --pool connections (and
-  a 1 s wait for one): what a deployment that caps its connections gets;
-- `wake hub`: the waiters wait through the hub (one list, one connection of its own), and run
-  their short scripts on a BlockingConnectionPool of --pool connections.
+Needs REDIS_URL. Each round, for each way of waiting (`MODES`): a holder takes one lock,
+--waiters threads queue for it, the holder lets go, and each waiter, handed the lock, lets it go
+at once, so the lock passes down the whole queue. It counts this process's connections to Redis
+while they wait (`CLIENT LIST`), times each hand-over (from one release sent to the next
+acquire returning) and the process's CPU per hand-over. Invariant held: the wake hub hands the
+lock down the whole queue in the order the waiters queued, or the run exits 1.
+See docs/benchmarks.md#lock-waiters-and-connections.
 """
 
 from __future__ import annotations
@@ -38,6 +29,11 @@ import redis
 from locking import Lock
 from locking.wakes import hub_for
 
+#: The ways of waiting. `own wakes`: each waiter blocks in BLPOP on a wake key of its own, on a
+#: connection of its own (a pool big enough for all). `own wakes, bounded pool`: the same with a
+#: BlockingConnectionPool of --pool connections and a 1 s wait for one, what a deployment that
+#: caps its connections gets. `wake hub`: the waiters wait through the hub (one list, one
+#: connection of its own) and run their short scripts on a pool of --pool connections.
 MODES = ["own wakes", "own wakes, bounded pool", "wake hub"]
 TTL_SECONDS = 5.0
 WAIT_SECONDS = 120.0

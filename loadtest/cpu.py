@@ -1,23 +1,14 @@
 """Where a load run's CPU goes: each part of the system's CPU per unit sold over a window.
 
-On a machine of a few cores the rate a strategy sells at is set by the CPU a unit costs, and
-most of that is not the strategy's: the HTTP server, the load generator and the order worker
-share the same cores. A meter samples, four times a second, the CPU time (user + system) of
-the processes on this host by part, and over a window (two instants) reads each part's CPU
-off its samples:
+On a few cores the rate a strategy sells at is set by the CPU a unit costs, and most of that is
+not the strategy's: the server, the crowd and the order worker share the cores. A `CpuMeter`
+samples, four times a second, the CPU time (user + system) of this host's processes by part
+(`PARTS`); `between` reads each part's CPU over a window off the samples.
 
-- `server`: the web server started for the run and its workers; `worker`: the Celery worker;
-- `locust`: the Locust processes of the run (the crowd);
-- `postgres`, `redis`: every process of that name on this host (backends, WAL writer and
-  checkpointer; every Redis server), so a server elsewhere counts nothing here;
-- `other`: the rest of the host's busy CPU (this process, the broker, the kernel's threads),
-  read from /proc/stat, so that the parts add up to what the host's CPUs did.
-
-A process is counted from when the meter first sees it. What it spent after its last sample
-shows in its parent's CPU once its parent reaps it (the children's times of /proc, `cutime`
-and `cstime`), and is counted from there, in its own part; one that came and went between two
-samples, in its parent's part. Linux only (/proc);
-elsewhere `CpuMeter.between` returns None.
+Invariants: the parts add up to what the host's CPUs did (`other` is the rest of the busy CPU,
+read from /proc/stat); a process counts from when the meter first sees it, and what it spent
+after its last sample counts, in its own part, once its parent reaps it. Linux only (/proc):
+elsewhere `CpuMeter.between` returns None. See docs/load-runs.md#where-the-cpu-went.
 """
 
 from __future__ import annotations
@@ -30,7 +21,11 @@ from dataclasses import dataclass, field
 
 from .bench.measure import host_cpu_times
 
-#: The parts, in the order the report prints them.
+#: The parts, in the order the report prints them: `server`, the web server started for the run
+#: and its workers; `worker`, the Celery worker; `locust`, the run's Locust processes;
+#: `postgres` and `redis`, every process of that name on this host (`BY_NAME`: a server elsewhere
+#: counts nothing here); `other`, the rest of the host's busy CPU (this process, the broker,
+#: the kernel's threads).
 PARTS = ("server", "worker", "locust", "postgres", "redis", "other")
 #: Parts told apart by the name of the process (its `comm`).
 BY_NAME = {"postgres": "postgres", "redis-server": "redis"}

@@ -1,27 +1,16 @@
-"""A flash crowd of buyers for Locust.
+"""A flash crowd of buyers for Locust, as `manage.py loadtest` runs it or on its own.
 
     locust -f loadtest/locustfile.py --headless --host http://127.0.0.1:8000 \
         --sku phone --strategy lua -u 50 -r 50 -t 20s
 
-Each simulated user is one buyer with a unique id: it looks at the item now and then and
-checks out as fast as the shop answers. During the warm-up a tenth of the users arrive and only
-look; the whole crowd gathers a moment before the sale opens and buys from the opening on. The
-opening is `--opens-at` (Unix time) when given, else the end of the first `--warmup-share` of
-the run. `--until-sold-out` ends the run once buyers are told `sold_out` and no unit has sold
-for a second (at the latest when -t ends).
-
-`201`, `409 sold_out`, `409 limit_reached` and `409 not_started` are correct answers in a
-flash sale and count as successes; `5xx`, timeouts and anything else count as failures. The
-`sold_out` answers are counted apart, as `checkout sold out`, so that `checkout`'s latencies
-are those of a sale that is still selling. Two extra series go into Locust's stats: `UNITS sold`
-(one entry per unit accepted, so its history is units sold over time) and `LOCK wait` (the
-server's lock wait from its Server-Timing header, where the strategy has a lock).
-
-At the end, on the master or the only process, the run is audited over HTTP
-(`GET /api/items/<sku>/audit`): if the sale sold more than it had, the process exits with
-code 3, unless `--allow-oversell` says the oversell is the point (the `unsafe` baseline).
-
-`--baseline` sends the same requests to `/api/noop` instead: the HTTP ceiling of the server.
+Each user is one buyer with a unique id who looks at the item now and then and checks out as
+fast as the shop answers; a tenth of the crowd comes first and only looks, the whole crowd
+gathers a moment before the opening and buys from then on (`FlashCrowd`). `201` and the `409`s
+a flash sale answers (`CORRECT_CONFLICTS`) are successes, anything else a failure; `sold_out`
+answers count apart (`checkout sold out`), and each unit sold and each lock wait (from
+Server-Timing) go into Locust's stats as `UNITS sold` and `LOCK wait`. Invariant: at the end
+the run audits the sale over HTTP and exits 3 if it oversold, unless `--allow-oversell`.
+`--baseline` sends the same requests to `/api/noop`. See docs/load-runs.md#locust-alone.
 """
 
 from __future__ import annotations
@@ -45,6 +34,7 @@ logger = logging.getLogger("flashsale.locust")
 
 #: Exit code of a run whose audit found oversell.
 OVERSOLD_EXIT_CODE = 3
+#: The 409s a flash sale answers correctly: successes, not failures.
 CORRECT_CONFLICTS = {"sold_out", "limit_reached", "not_started"}
 #: Stats name of the checkouts answered `409 sold_out`.
 SOLD_OUT_NAME = "checkout sold out"

@@ -1,19 +1,15 @@
 """Where load runs and benchmarks sell: a database, a Redis key prefix and a task queue of
-their own, beside the shop's.
-
-A load run leaves thousands of orders behind, and a benchmark its items: in the shop's
-database they would be listed on the storefront and keep the shop's sweeper publishing stale
-orders ahead of real ones. So `manage.py loadtest` (the demo, and the admin's load runs) and
-`python -m loadtest.bench_strategies` run in a sandbox:
+their own, beside the shop's, so that their orders and items never reach the storefront or
+keep the shop's sweeper busy.
 
 - database `<the shop's>_loadrun` on the same PostgreSQL, created and migrated on first use;
-- Redis keys under `<FLASHSALE_REDIS_PREFIX>-loadrun`, order tasks on `<queue>-loadrun` (a
-  load run's worker takes a queue of its batch's own, the benchmark one of its run's own);
+- Redis keys under `<FLASHSALE_REDIS_PREFIX>-loadrun`, order tasks on `<queue>-loadrun`;
 - only the SaleRun records, which the admin's compare page shows, go to the shop's database:
   `FLASHSALE_RUNS_DATABASE_URL` names it and `RunsRouter` sends SaleRun there.
 
 A process enters the sandbox by starting again with the sandbox's environment (`enter`), so
-that everything it starts (gunicorn, the Celery worker, buyer processes) inherits it.
+that everything it starts (the web server, the Celery worker, buyer processes) inherits it.
+See docs/load-runs.md#where-it-sells.
 """
 
 from __future__ import annotations

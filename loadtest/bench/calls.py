@@ -4,18 +4,14 @@ redis-py's `Script` and through `locking.scripts.DirectScript`, side by side.
     python manage.py bench calls [--strategies lock segmented lua] [--sales 300] [--blocks 6]
         [--json PATH]
 
-Needs DATABASE_URL and REDIS_URL (or run it through `python -m shop.devservices --`); sells in
-the load-run sandbox, as `bench strategies` does.
-
-One buyer (this process) buys one unit at a time through `inventory.services.place_order` (one
-thread: each sale a batch of one, its own script calls), in
-alternating blocks of --sales checkouts, one way and then the other, --blocks times each, so
-that a machine whose speed drifts within the minute drifts for both. The two ways share one
-connection pool and its options; the only difference is the client's class: a subclass of
-`redis.Redis`, which `locking.scripts.script_for` leaves to redis-py's `Script`, or
-`redis.Redis` itself. It prints, per strategy, the median CPU of this process per sale each way
-and their ratio, and the same for one script call alone (the stock counter's take, no database).
-Exits 1 if a sale oversold or its stock does not add up.
+Needs DATABASE_URL and REDIS_URL; sells in the load-run sandbox. One buyer (this process, one
+thread) buys one unit at a time through `inventory.services.place_order`, in alternating blocks
+of --sales checkouts one way then the other, --blocks times each, so that a machine whose speed
+drifts within the minute drifts for both. The two ways share one connection pool; only the
+client's class differs (`RedisPyScripts` or `redis.Redis`). It prints per strategy the median
+CPU per sale each way and their ratio, and the same for one script call alone. Invariant held:
+it exits 1 if a sale oversold or its stock does not add up.
+See docs/benchmarks.md#script-calls-redis-pys-layers.
 """
 
 from __future__ import annotations

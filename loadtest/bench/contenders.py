@@ -178,6 +178,15 @@ class Result:
 
 
 def contenders_for(args: argparse.Namespace) -> list[Contender]:
+    """The run's contenders, in their order: the strategies, a process per buyer; `lua` and
+    `segmented` batched (buyers as threads of --batch-threads a process, whose checkouts in
+    flight are written together); `lock` and `segmented` with --work-ms of simulated work in
+    each critical section (where the lock, not the CPU, limits `lock`: the case for shards);
+    the peer locks, each run inside `lock`'s own code with only the lock swapped
+    (`loadtest.peer_locks`); the ceilings: the raw EVALSHA of the stock take (Redis alone),
+    `lua`'s take then the sale statement on the stripe it names, and the hot row (the sale
+    statement alone on the item row: the most any design that has every buyer write one row
+    gets)."""
     from inventory.strategies import oversells
 
     contenders = [

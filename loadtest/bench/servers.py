@@ -1,31 +1,16 @@
 """Benchmark over HTTP: the same crowd against each server design, side by side in one run.
 
-    python manage.py bench servers [--designs sync,gthread,...] [--strategies lock,segmented,lua]
-        [--rounds 1] [--writer-tree PATH] [--json PATH] [LOADTEST OPTIONS...]
+    python manage.py bench servers [--designs sync,granian] [--strategies lua] [--rounds 3]
+        [--writer-tree PATH] [--json PATH] [LOADTEST OPTIONS...]
 
-Each design is a `manage.py loadtest` batch (the demo's crowd, probe, window and audit) of the
-strategies named, with its own server started for it; the designs take turns, round after
-round, in a rotating order, so that a slow minute of the host falls on each in turn. A design:
-
-- `writer`: the hand-off sale writer as it last stood (a server started from `--writer-tree`,
-  a checkout of the last commit that had it): the figure to beat, not a candidate;
-- `sync`: gunicorn's sync workers (8): one checkout at a time per process, so a script and a
-  commit per checkout;
-- `commit-delay`: the same, with PostgreSQL's `commit_delay` / `commit_siblings` (group commit
-  in the database: a commit waits for others to flush the WAL with it);
-- `gthread`: gunicorn's gthread workers (4 x 4 threads), the in-process batcher;
-- `granian`: granian's WSGI workers (Rust HTTP; 4 x 4 blocking threads), the batcher: the
-  shop's server.
-
-The designs measured once and not kept (uvicorn's ASGI workers with `lua` batched on each event
-loop; granian with each checkout its own script and commit) are in commit 54ddf64.
-
-Printed per strategy and design: units/s over the window, the checkouts' latency (p50, p99,
-p99.9 of the sale's 201s, from Locust), CPU per unit by part (the shop's parts: server, writer,
-worker, postgres, redis; then the crowd and the rest of the host), and units per commit (orders
-that share one commit's timestamp, from the database: a batch). Medians over the rounds, each
-round's figures beside them. Then each design against the best of the candidates, units/s and
-the shop's CPU per unit. Decision record: docs/decisions/0001-group-commit-in-the-web-process.md.
+Each design (`DESIGNS`) is a `manage.py loadtest` batch (the demo's crowd, probe, window and
+audit) with a server of its own; the designs take turns, round after round in a rotating order,
+so that a slow minute of the host falls on each in turn. Printed per strategy and design:
+units/s over the window, the latency of the sale's 201s, CPU per unit by part, units per
+commit; medians over the rounds with each round's figures, then each design against the best
+candidate. Exits 1 if a sale oversold, left units unsold or failed.
+See docs/benchmarks.md#the-server-designs-over-http and
+docs/decisions/0001-group-commit-in-the-web-process.md.
 """
 
 from __future__ import annotations
@@ -59,6 +44,13 @@ class Design:
     writer_tree: bool = False
 
 
+#: `writer`: the sale writer the batcher replaced, served from --writer-tree (a checkout of the
+#: last commit that had it): the figure to beat, not a candidate. `sync`: gunicorn's sync
+#: workers, a script and a commit per checkout. `commit-delay`: the same with PostgreSQL's group
+#: commit (a commit waits for others to flush the WAL with it). `gthread`: gunicorn's threads
+#: and the in-process batcher. `granian`: granian's WSGI workers and the batcher, the shop's
+#: server. The designs measured once and not kept (uvicorn's ASGI workers batching on each event
+#: loop; granian with a script and a commit per checkout) are in commit 54ddf64.
 DESIGNS = {
     design.name: design
     for design in (

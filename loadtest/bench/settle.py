@@ -1,26 +1,16 @@
-"""Benchmark of the order pipeline: how fast workers settle what a flood accepted.
+"""The order pipeline's benchmark: how fast workers settle what a flood of checkouts accepted.
 
     python manage.py bench settle [--orders 3000] [--buyers 8] [--workers 1,2,4]
         [--payment-ms 50] [--timeout 300] [--json PATH]
 
-Needs DATABASE_URL and REDIS_URL (or run it through `python -m shop.devservices --`); sells in
-the load-run sandbox, as `bench strategies` does.
-
-1. **Flood**: a `lua` sale of --orders units, bought out by --buyers processes calling
-   `inventory.services.place_order` one unit at a time (the buyers of `bench strategies`), with
-   no worker running: the orders accepted per second.
-2. **Backlog**: for each count in --workers, that many `celery worker` processes, started as the
-   project starts them (pool and size from settings), settle the sale's orders with payments
-   of --payment-ms (the shop's default: 50). The orders reach them as the web processes'
-   publishers would have sent them at the flood's pace: one message per buyer process per
-   publish interval (FLASHSALE_PUBLISH_INTERVAL_MS). Before each count but the first, the same
-   orders are made pending again (their payment attempts dropped), so every count settles the
-   same backlog.
-
-It prints orders settled per second for each count, the workers' CPU per order, and the
-ratio the pipeline is held to: what one worker settles against what the flood accepted. It
-checks, after each count, that every order was paid exactly once and confirmed, and exits 1 if
-not (or if the backlog was not settled within --timeout seconds).
+Needs DATABASE_URL and REDIS_URL; sells in the load-run sandbox. A `lua` sale of --orders units
+is bought out by --buyers processes with no worker running (the flood: orders accepted per
+second); then, for each count in --workers, that many Celery workers, started as the project
+starts them, settle the backlog with payments of --payment-ms, its messages sent as the web
+processes' publishers would have sent them at the flood's pace. Every count settles the same
+backlog, made pending again before it. Invariant held: every order paid exactly once and
+confirmed within --timeout, or the run exits 1. Target: one worker settles at least what the
+flood accepts. See docs/benchmarks.md#the-order-pipeline.
 """
 
 from __future__ import annotations

@@ -1,54 +1,18 @@
-"""Benchmark without HTTP: every strategy driven directly by buyers on one hot item.
+"""The strategies without HTTP: every strategy, the peer locks and the ceilings driven directly
+by buyers on one hot item, all in one run so that every figure has its baseline beside it.
 
-    python -m loadtest.bench_strategies [--buyers 8] [--batch-threads 4] [--stock 5000]
-        [--duration 10] [--warmup 25] [--strategies lock,segmented,lua,optimistic,unsafe]
-        [--hold-ms 0] [--work-ms 5] [--work-buyers 10] [--rounds 1]
-        [--peers redis-py,redis-py-5ms,python-redis-lock,python-redis-lock-renewal]
-        [--ceiling-stock 50000] [--profile] [--json PATH]
+    python manage.py bench strategies [--rounds 3] [--strategies lock segmented] [--json PATH]
 
-Needs DATABASE_URL and REDIS_URL (or run it through `python -m shop.devservices --`).
-
-For each contender a sale of --stock units starts and --buyers buyers, each with its own
-database connection, buy --warmup units each the same way from a sale of their own (so that
-connections, prepared statements and caches are warm: a round measures selling, not starting
-up), wait at a barrier, and buy one unit at a time through `inventory.services.place_order`
-until it answers sold out (`Busy` is counted and retried). buys/s is units sold over the time
-from the barrier to the last sale. Contenders, all in one run so that every figure has its
-baseline measured beside it:
-
-- the strategies themselves, a process per buyer (`lua` and `segmented`: each checkout a batch
-  of one, one script and one commit per sale);
-- `lua, batched` and `segmented, batched`: the same number of buyers as threads of processes
-  of --batch-threads threads each, so that the checkouts in flight in one process are written
-  together (`inventory.batching`), as a threaded web server's are; a line under the row gives
-  the units per commit;
-- `lock` and `segmented` again with --work-ms of simulated work inside each critical section
-  (a call to another service, say), where the lock rather than the CPU limits `lock`: the case
-  that shards are for;
-- peers: redis-py's `redis.lock.Lock` and python-redis-lock's `redis_lock.Lock` running the very
-  code of the `lock` strategy (`LockStrategy.take`: its pre-check, the guarded sale statement,
-  its release), with only the lock object swapped: the buyer processes set
-  FLASHSALE_LOCK_FACTORY (the seam through which the strategies build their locks) to a
-  factory of `loadtest/peer_locks.py`, so nothing but the lock differs. Same TTL and wait as
-  ours (FLASHSALE_LOCK_TTL_MS / FLASHSALE_LOCK_WAIT_MS); redis-py with its default poll `sleep`
-  of 0.1 s and with 0.005 s; python-redis-lock without and with `auto_renewal` (the
-  counterpart of our watchdog, which `lock` runs with);
-- ceilings: `EVALSHA` of the check-and-DECRBY script of `locking.StockCounter.take` in a loop
-  (Redis alone, no database: what a counter in Redis sells if Redis is its only cost);
-  `lua`'s take script over its stripe counters followed by the sale statement of
-  `inventory.stock.sell` on the stripe it names (the least a `lua` checkout can do while
-  committing its order row before it answers); and the hot row: the sale statement alone on
-  the item row, no Redis, no lock, no service code (the most any design that writes one row
-  per sale for every buyer can reach: the ceiling the strategies are held against).
-
-After each contender the sale is audited (`inventory.selectors.audit_sale`). The run exits 1 if
-any contender that should be safe (all but `unsafe`) oversold, is inconsistent or crashed, and 0
-otherwise: the targets are measurements, printed as met or missed.
-
-Beside buys/s each row shows where the CPU went, per unit sold: the buyer processes (Python,
-Django, redis-py, psycopg; all of a process's threads), their PostgreSQL backends (read from
-/proc when PostgreSQL runs on this machine) and the Redis server (INFO cpu, the whole server),
-plus how busy the host's CPUs were while the contender ran.
+Needs DATABASE_URL and REDIS_URL; sells in the load-run sandbox. The contenders
+(`contenders_for`): each strategy, `lua` and `segmented` batched, `lock` and `segmented` with
+--work-ms of work, the peer locks inside `lock`'s code, the ceilings (raw EVALSHA, take + row
+sale, hot row). Each one's --buyers warm up on a sale of their own, wait at a barrier, then buy
+one unit at a time through `inventory.services.place_order` until sold out; buys/s is units
+sold from the barrier to the last sale, beside the CPU per unit of the buyers, their PostgreSQL
+backends and Redis. Invariant held: every sale is audited after its contender, and the run
+exits 1 if one that must be safe (all but `unsafe`) oversold, is inconsistent or crashed; the
+targets are measurements, printed as met or missed.
+See docs/benchmarks.md#the-strategies-without-http.
 """
 
 from __future__ import annotations
