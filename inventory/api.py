@@ -24,7 +24,7 @@ from django.views.decorators.csrf import csrf_exempt
 from . import selectors, services
 from .exceptions import Busy, CheckoutError, InvalidRequest
 from .models import SKU_PATTERN, Order
-from .strategies.plumbing import lock_wait_seconds
+from .strategies.locks import lock_wait_seconds
 
 logger = logging.getLogger(__name__)
 

@@ -35,8 +35,8 @@ baseline measured beside it:
   counterpart of our watchdog, which `lock` runs with);
 - ceilings: `EVALSHA` of the check-and-DECRBY script of `locking.StockCounter.take` in a loop
   (Redis alone, no database: what a counter in Redis sells if Redis is its only cost);
-  `lua`'s take script over its stripe counters followed by the sale statement of
-  `inventory.stock.sell` on the stripe it names (the least a `lua` checkout can do while
+  `lua`'s take script over its stripe counters followed by the sale statement
+  (`inventory.sale_statement.sell`) on the stripe it names (the least a `lua` checkout can do while
   committing its order row before it answers); and the hot row: the sale statement alone on
   the item row, no Redis, no lock, no service code (the most any design that writes one row
   per sale for every buyer can reach: the ceiling the strategies are held against).
