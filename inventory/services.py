@@ -53,9 +53,9 @@ checkout_strategy: ContextVar[str] = ContextVar("checkout_strategy", default="no
 @dataclass
 class CountedCheckout:
     """A checkout being answered (`counted_checkout`): its outcome, `accepted` or the error's
-    code (`inventory.metrics.OUTCOMES`), `error` until its entry point says otherwise."""
+    code (`inventory.metrics.CheckoutOutcome`), `error` until its entry point says otherwise."""
 
-    outcome: str = "error"
+    outcome: str = metrics.CheckoutOutcome.ERROR
 
 
 @contextmanager
