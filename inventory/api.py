@@ -23,8 +23,9 @@ from django.views.decorators.csrf import csrf_exempt
 
 from . import selectors, services
 from .exceptions import Busy, CheckoutError, InvalidRequest
+from .metrics import CheckoutOutcome
 from .models import SKU_PATTERN, Order
-from .strategies.plumbing import lock_wait_seconds
+from .strategies.locks import lock_wait_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ def _checkout(request: HttpRequest) -> tuple[JsonResponse, str]:
             f"the body is larger than {settings.DATA_UPLOAD_MAX_MEMORY_SIZE} bytes",
             413,
         )
-        return too_large, "invalid"
+        return too_large, CheckoutOutcome.INVALID
     except CheckoutError as error:
         return checkout_error_response(error), error.code
     return answer_checkout(
@@ -167,7 +168,7 @@ def answer_checkout(
     if not result.created:
         headers["Idempotent-Replayed"] = "true"
     payload = selectors.checkout_payload(result.order)
-    return JsonResponse(payload, status=201, headers=headers), "accepted"
+    return JsonResponse(payload, status=201, headers=headers), CheckoutOutcome.ACCEPTED
 
 
 @csrf_exempt

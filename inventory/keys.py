@@ -1,33 +1,35 @@
-"""The shop's Redis key layout, in one place. Every key is `<FLASHSALE_REDIS_PREFIX>:...`:
-
-    lock:{item:<sku>}                       `lock`'s lock of the item (locking.Lock adds its own
-                                            suffixes, e.g. its queue and fence)
-    lock:{item:<sku>:shard:<i>}             `segmented`'s lock of shard i
-    item:<sku>:sale:<id>:row:{item:<sku>:shard:<i>}
-                                            `segmented`'s hint of stock row i of sale <id>
-                                            (what Redis believes the row holds), and its version
-    item:<sku>:sale:<id>:{<sku>:<id>}:row:<i>
-                                            `lua`'s counter of stock row i (it decides by them)
-    item:<sku>:sale:<id>:{<sku>:<id>}:turn  `lua`'s cursor over the rows
-    item:<sku>:sale:<id>:{<sku>:<id>}:claim:<key>
-                                            a `lua` checkout's claim on its idempotency key
-    item:<sku>:sale:<id>:{<sku>:<id>}:returned:<order>
-                                            set once a failed order's units are back in Redis
-    item:<sku>:sale:<id>:{<sku>:<id>}:gone, :additions
-                                            `lock`'s sold-out mark (`<additions>:<units left>`)
-                                            and the count of additions to the item row that
-                                            voids every mark made before it
+"""The shop's Redis key layout, in one place: every key is `<FLASHSALE_REDIS_PREFIX>:...`, laid
+out as the table below says.
 
 The braces are Redis Cluster hash tags: only the text inside them picks a key's slot, so every
 key one script touches shares one. A lock shares its slot with its own helper keys; a
 `segmented` shard's lock with its hint, each shard a slot of its own, so that a hot item's
 shards spread over a cluster's masters; everything of a `lua` sale (its counters, its cursor,
 its claims, its give-back markers) shares the sale's slot, since one script takes from all its
-counters. On a single Redis the braces are just characters.
-
-Whatever belongs to one sale lives under `item:<sku>:sale:<id>:`, so a restarted sale never
-meets its predecessor's keys and `stale_sale_keys` finds them to delete.
+counters. On a single Redis the braces are just characters. Whatever belongs to one sale lives
+under `item:<sku>:sale:<id>:`, so a restarted sale never meets its predecessor's keys and
+`every_sale_pattern` finds them to delete.
 """
+
+# lock:{item:<sku>}                       `lock`'s lock of the item (`item_lock`; locking.Lock
+#                                         adds its own suffixes, e.g. its queue and fence)
+# lock:{item:<sku>:shard:<i>}             `segmented`'s lock of shard i (`shard_locks`)
+# item:<sku>:sale:<id>:row:{item:<sku>:shard:<i>}
+#                                         `segmented`'s hint of stock row i of sale <id> (what
+#                                         Redis believes the row holds), and its version
+#                                         (`shard_hints`)
+# item:<sku>:sale:<id>:{<sku>:<id>}:row:<i>
+#                                         `lua`'s counter of stock row i, which it decides by
+#                                         (`stripe_counters`)
+# item:<sku>:sale:<id>:{<sku>:<id>}:turn  `lua`'s cursor over the rows (`turn`)
+# item:<sku>:sale:<id>:{<sku>:<id>}:claim:<key>
+#                                         a `lua` checkout's claim on its idempotency key
+# item:<sku>:sale:<id>:{<sku>:<id>}:returned:<order>
+#                                         set once a failed order's units are back in Redis
+# item:<sku>:sale:<id>:{<sku>:<id>}:gone, :additions
+#                                         `lock`'s sold-out mark (`<additions>:<units left>`)
+#                                         and the count of additions to the item row that
+#                                         voids every mark made before it
 
 from __future__ import annotations
 
@@ -63,23 +65,26 @@ def _in_sale(sku: str, sale_id: int | None, *parts: object) -> str:
     return key("item", sku, "sale", sale_id, f"{{{sku}:{sale_id}}}", *parts)
 
 
-def row(item: Item, index: int) -> str:
-    return rows(item)[index]
+def stripe_counter(item: Item, index: int) -> str:
+    return stripe_counters(item)[index]
 
 
-def rows(item: Item) -> list[str]:
-    """The counters of the current sale's stock rows: each in a slot of its own, with its
-    shard's lock, for a strategy whose rows are locked apart (`segmented`), else all in the
-    sale's slot."""
-    return list(
-        _rows(
-            settings.FLASHSALE_REDIS_PREFIX,
-            item.sku,
-            item.current_sale_id,
-            item.shard_count,
-            _rows_apart(item.strategy),
-        )
-    )
+def stripe_counters(item: Item) -> list[str]:
+    """`lua`'s counters of the current sale's stock rows, all in the sale's slot (one script
+    takes from them all)."""
+    prefix = settings.FLASHSALE_REDIS_PREFIX
+    return list(_stripe_counters(prefix, item.sku, item.current_sale_id, item.shard_count))
+
+
+def shard_hint(item: Item, index: int) -> str:
+    return shard_hints(item)[index]
+
+
+def shard_hints(item: Item) -> list[str]:
+    """`segmented`'s hints of the current sale's stock rows, each in a slot of its own with its
+    shard's lock (one script takes a shard's lock and reads its hint)."""
+    prefix = settings.FLASHSALE_REDIS_PREFIX
+    return list(_shard_hints(prefix, item.sku, item.current_sale_id, item.shard_count))
 
 
 def turn(item: Item) -> str:
@@ -116,13 +121,15 @@ def every_sale_pattern(item: Item) -> str:
 
 
 @lru_cache(maxsize=1024)
-def _rows(prefix: str, sku: str, sale_id: int | None, count: int, apart: bool) -> tuple[str, ...]:
-    if apart:
-        return tuple(
-            key("item", sku, "sale", sale_id, "row", _shard_tag(sku, index))
-            for index in range(count)
-        )
+def _stripe_counters(prefix: str, sku: str, sale_id: int | None, count: int) -> tuple[str, ...]:
     return tuple(_in_sale(sku, sale_id, "row", index) for index in range(count))
+
+
+@lru_cache(maxsize=1024)
+def _shard_hints(prefix: str, sku: str, sale_id: int | None, count: int) -> tuple[str, ...]:
+    return tuple(
+        key("item", sku, "sale", sale_id, "row", _shard_tag(sku, index)) for index in range(count)
+    )
 
 
 @lru_cache(maxsize=1024)
@@ -132,10 +139,3 @@ def _shard_locks(prefix: str, sku: str, count: int) -> tuple[str, ...]:
 
 def _shard_tag(sku: str, index: int) -> str:
     return f"{{item:{sku}:shard:{index}}}"
-
-
-@lru_cache(maxsize=64)
-def _rows_apart(strategy: str) -> bool:
-    from .strategies import get_strategy  # the strategies import this module
-
-    return get_strategy(strategy).rows_apart

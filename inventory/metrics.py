@@ -3,30 +3,35 @@ the breakers (the web workers': `shop.metrics` exposes them at `/metrics`), orde
 task retries (the Celery worker's: on its own port, `shop.celery`).
 
 Label values are few: `strategy` is an item's strategy (`none` for an unknown item), `outcome`
-one of OUTCOMES (for a renewal: `renewed` or `failed`), `how` a lock was lost `watchdog` or
+a `CheckoutOutcome` (for a renewal: `renewed` or `failed`), `how` a lock was lost `watchdog` or
 `fenced`, `breaker` `redis` or `broker`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from enum import StrEnum
 
 from prometheus_client import Counter, Gauge, Histogram
 
-#: How a checkout was answered: accepted (201), or the API's error code; any other answer
-#: (an unexpected error, a body too large) is `error`.
-OUTCOMES = (
-    "accepted",
-    "sold_out",
-    "limit_reached",
-    "busy",
-    "outcome_unknown",
-    "invalid",
-    "unknown_sku",
-    "not_on_sale",
-    "not_started",
-    "error",
-)
+
+class CheckoutOutcome(StrEnum):
+    """How a checkout was answered, as the `outcome` label says it: accepted (201), or the API's
+    error code; any other answer (an unexpected error, a body too large) is `error`."""
+
+    ACCEPTED = "accepted"
+    SOLD_OUT = "sold_out"
+    LIMIT_REACHED = "limit_reached"
+    BUSY = "busy"
+    OUTCOME_UNKNOWN = "outcome_unknown"
+    INVALID = "invalid"
+    UNKNOWN_SKU = "unknown_sku"
+    NOT_ON_SALE = "not_on_sale"
+    NOT_STARTED = "not_started"
+    ERROR = "error"
+
+
+_OUTCOMES = frozenset(CheckoutOutcome)
 
 CHECKOUTS = Counter(
     "flashsale_checkouts",
@@ -108,7 +113,10 @@ def export_before_use(
 
 
 def checkout_answered(strategy: str, outcome: str, seconds: float) -> None:
-    CHECKOUTS.labels(strategy, outcome if outcome in OUTCOMES else "error").inc()
+    """Count a checkout answered with `outcome` (a `CheckoutOutcome`, or an error code that is
+    none: counted `error`)."""
+    label = outcome if outcome in _OUTCOMES else CheckoutOutcome.ERROR
+    CHECKOUTS.labels(strategy, label).inc()
     CHECKOUT_SECONDS.labels(strategy).observe(seconds)
 
 

@@ -363,7 +363,7 @@ def reconcile_sale(sku: str, *, cause: str = SaleRepair.Cause.COMMAND) -> list[s
     return changes
 
 
-#: The advisory-lock namespace of `reconcile_sale` (beside stock.py's writer gates').
+#: The advisory-lock namespace of `reconcile_sale` (beside `row_locks`' writer gates').
 RECONCILE_LOCK = 0x46530003
 
 

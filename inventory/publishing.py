@@ -30,8 +30,10 @@ SETTLE_ORDERS_TASK = "inventory.tasks.settle_orders_task"
 GIVE_BACK_TASK = "inventory.tasks.give_back_task"
 
 
-def publish(task: str, argument: object, *, what: str) -> bool:
-    """Send task(argument) through the broker breaker; False (and logged) if the broker is down."""
+def publish(task: str, argument: int | list[int], *, what: str) -> bool:
+    """Send task(argument) through the broker breaker; False (and logged) if the broker is down.
+    A task's message carries order keys only (an order's, or a batch's): the worker reads the
+    rows, which are the outbox."""
     if not broker_breaker.allow():
         return False
     try:

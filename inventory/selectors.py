@@ -13,18 +13,17 @@ from django.db.models import Count, QuerySet, Sum
 
 from .breaker import breaker
 from .exceptions import NotOnSale, UnknownSku
+from .fastpath import read_item_with_sale
 from .models import (
     LIVE_STATUSES,
     SKU_PATTERN,
     Item,
     Order,
     OrderStatus,
-    Sale,
     SaleRepair,
-    StockShard,
 )
 from .redis_client import REDIS_DOWN_ERRORS, ping
-from .stock import prepared_cursor, shard_stocks
+from .stock import shard_stocks
 from .strategies import get_strategy
 
 
@@ -37,43 +36,16 @@ def database_now() -> datetime:
 
 
 def get_item(sku: str) -> Item:
-    """The item sold as sku, with its current sale and its units left, in one prepared query.
-
-    What `Item.objects.with_units_left().select_related("current_sale").get(sku=sku)` returns,
-    hand-written: every item page and `GET /api/items/<sku>` (a crowd's other request) runs it,
-    and building the ORM's query cost more CPU than the rest of the request.
-    """
+    """The item sold as sku, with its current sale and its units left: what
+    `Item.objects.with_units_left().select_related("current_sale").get(sku=sku)` returns, in one
+    hand-written, prepared query (`fastpath.read_item_with_sale`), as every item page and
+    `GET /api/items/<sku>` (a crowd's other request) runs it."""
     if not SKU_PATTERN.fullmatch(sku):
         raise UnknownSku(sku)  # (never sent to the database: a NUL byte is not even valid there)
-    with prepared_cursor() as cursor:
-        cursor.execute(_ITEM_QUERY, [sku])
-        row = cursor.fetchone()
-    if row is None:
+    item = read_item_with_sale(sku)
+    if item is None:
         raise UnknownSku(sku)
-    item_width, sale_width = len(_ITEM_COLUMNS), len(_SALE_COLUMNS)
-    item = Item.from_db(connection.alias, _ITEM_FIELDS, row[:item_width])
-    item.__dict__["derived_units_left"] = row[-1]  # as the annotation sets it
-    sale_row = row[item_width : item_width + sale_width]
-    item._state.fields_cache["current_sale"] = (
-        Sale.from_db(connection.alias, _SALE_FIELDS, sale_row) if sale_row[0] is not None else None
-    )
     return item
-
-
-_ITEM_FIELDS = [field.attname for field in Item._meta.concrete_fields]
-_ITEM_COLUMNS = [field.column for field in Item._meta.concrete_fields]
-_SALE_FIELDS = [field.attname for field in Sale._meta.concrete_fields]
-_SALE_COLUMNS = [field.column for field in Sale._meta.concrete_fields]
-# The units left as `ItemQuerySet.with_units_left` derives them.
-_ITEM_QUERY = (
-    "SELECT "
-    + ", ".join([f"i.{c}" for c in _ITEM_COLUMNS] + [f"s.{c}" for c in _SALE_COLUMNS])
-    + ", CASE WHEN i.shard_count = 0 THEN i.stock ELSE COALESCE("
-    f"(SELECT SUM(r.stock) FROM {StockShard._meta.db_table} r"
-    " WHERE r.sale_id = i.current_sale_id), 0) END"
-    f" FROM {Item._meta.db_table} i LEFT JOIN {Sale._meta.db_table} s"
-    " ON s.id = i.current_sale_id WHERE i.sku = %s"
-)
 
 
 def items_on_sale() -> QuerySet[Item]:

@@ -17,7 +17,6 @@ from django.db import (
     IntegrityError,
     InterfaceError,
     OperationalError,
-    connection,
     connections,
     transaction,
 )
@@ -34,9 +33,12 @@ from .exceptions import (
     NotStarted,
     UnknownSku,
 )
+from .fastpath import read_checkout_item
 from .models import Item, Order, Sale, StockShard
 from .orders import order_placed
 from .redis_client import REDIS_DOWN_ERRORS, get_redis_client
+from .sale_statement import SaleRecorder
+from .sale_values import RowLockTimeout, SaleRestarted
 from .selectors import database_now, forget_item_page
 from .stock import split_stock
 from .strategies import get_strategy, strategy_names
@@ -51,9 +53,9 @@ checkout_strategy: ContextVar[str] = ContextVar("checkout_strategy", default="no
 @dataclass
 class CountedCheckout:
     """A checkout being answered (`counted_checkout`): its outcome, `accepted` or the error's
-    code (`inventory.metrics.OUTCOMES`), `error` until its entry point says otherwise."""
+    code (`inventory.metrics.CheckoutOutcome`), `error` until its entry point says otherwise."""
 
-    outcome: str = "error"
+    outcome: str = metrics.CheckoutOutcome.ERROR
 
 
 @contextmanager
@@ -104,7 +106,7 @@ def place_order(
             return _place(sku=sku, qty=qty, buyer=buyer, idempotency_key=idempotency_key)
         except DATABASE_DOWN_ERRORS as exc:
             # Nothing was sold: a sale statement whose connection was lost has been looked up
-            # again before this (`stock.sell`, `stock.sell_batch`), and one the database rolled
+            # again before this (`lost_connection.resolve`), and one the database rolled
             # back (a deadlock, a serialization failure: SQLSTATE class 40) wrote nothing.
             sqlstate = getattr(exc.__cause__, "sqlstate", None) or ""
             what = "rolled the sale back" if sqlstate.startswith("40") else "is not answering"
@@ -137,14 +139,14 @@ def _sell(*, sku: str, qty: int, buyer: str, idempotency_key: str | None) -> Ord
         return _sell_once(
             sku=sku, qty=qty, buyer=buyer, idempotency_key=idempotency_key, fresh=False
         )
-    except stock.SaleRestarted:
+    except SaleRestarted:
         # The item was read (or remembered) before its sale was restarted: read it again.
         forget_item(sku)
     try:
         return _sell_once(
             sku=sku, qty=qty, buyer=buyer, idempotency_key=idempotency_key, fresh=True
         )
-    except stock.SaleRestarted:
+    except SaleRestarted:
         raise Busy(
             f"{sku}: its sale was restarted during the checkout",
             retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
@@ -167,12 +169,12 @@ def _sell_once(
     if limit is not None and qty > limit:
         raise LimitReached(sku=sku, limit=limit)
 
-    record = stock.SaleRecorder(
+    record = SaleRecorder(
         item=item, qty=qty, buyer=buyer, idempotency_key=idempotency_key, limit=limit
     )
     try:
         return get_strategy(item.strategy).take(item=item, qty=qty, record=record)
-    except stock.RowLockTimeout:
+    except RowLockTimeout:
         raise Busy(
             f"{sku}: its stock rows stayed locked by another transaction for "
             f"{settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS} ms",
@@ -247,46 +249,16 @@ def _replay(key: str | None, *, sku: str, qty: int, buyer: str) -> Order | None:
     return order
 
 
-_CHECKOUT_COLUMNS = (
-    "id",
-    "sku",
-    "name",
-    "price",
-    "stock",
-    "version",
-    "strategy",
-    "per_buyer_limit",
-    "shard_count",
-    "current_sale_id",
-)
-
-
 def checkout_item(sku: str) -> tuple[Item, Opening | None] | None:
     """The item sold as sku and its sale's opening (None without a sale), or None when there
-    is no such item.
-
-    One hand-written, prepared query: this runs for every checkout, where the ORM's query
-    building would cost more than the database does. It also reads how far the opening is
-    by the database's clock.
-    """
-    columns = ", ".join(f"i.{column}" for column in _CHECKOUT_COLUMNS)
-    with stock.prepared_cursor() as cursor:
-        cursor.execute(
-            f"SELECT {columns}, s.opens_at,"
-            " EXTRACT(EPOCH FROM s.opens_at - statement_timestamp())::float8"
-            f" FROM {Item._meta.db_table} i"
-            f" LEFT JOIN {Sale._meta.db_table} s ON s.id = i.current_sale_id WHERE i.sku = %s",
-            [sku],
-        )
-        row = cursor.fetchone()
-        read_at = time.monotonic()
-    if row is None:
+    is no such item. It runs for every checkout: one hand-written, prepared query
+    (`fastpath.read_checkout_item`), which also reads how far the opening is by the database's
+    clock."""
+    found = read_checkout_item(sku)
+    if found is None:
         return None
-    item = Item.from_db(connection.alias, _CHECKOUT_COLUMNS, row[:-2])
-    opens_at, seconds = row[-2:]
-    if opens_at is None:
-        return item, None
-    return item, Opening(opens_at=opens_at, opens_after=read_at + seconds)
+    item, opening = found
+    return item, (None if opening is None else Opening(*opening))
 
 
 def _violated_constraint(exc: IntegrityError) -> str | None:

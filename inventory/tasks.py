@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
 from celery import shared_task
 from django.db import InterfaceError, OperationalError
@@ -26,6 +26,22 @@ ORDER_TASK: dict[str, Any] = {
 }
 
 
+class SettledCount(TypedDict):
+    """What a worker did with a message's orders: how many it confirmed, found failed (units
+    given back) and skipped (settled before, or expired)."""
+
+    confirmed: int
+    failed: int
+    skipped: int
+
+
+class SweptCount(TypedDict):
+    """What a sweep did: orders pending past their hold expired, open ones published again."""
+
+    expired: int
+    requeued: int
+
+
 @shared_task(**ORDER_TASK)
 def process_order_task(order_pk: int) -> str | None:
     """Pay and confirm an order, or give a failed one's units back."""
@@ -33,7 +49,7 @@ def process_order_task(order_pk: int) -> str | None:
 
 
 @shared_task(**ORDER_TASK)
-def settle_orders_task(order_pks: list[int]) -> dict[str, int]:
+def settle_orders_task(order_pks: list[int]) -> SettledCount:
     """Pay and confirm the orders one checkout message carries, as one batch."""
     settled = orders.settle_orders(order_pks)
     return {
@@ -44,7 +60,7 @@ def settle_orders_task(order_pks: list[int]) -> dict[str, int]:
 
 
 @shared_task(**ORDER_TASK)
-def dispatch_orders_task(order_pks: list[int]) -> dict[str, int]:
+def dispatch_orders_task(order_pks: list[int]) -> SettledCount:
     """The name checkout's batches had before they were settled as one: a message published
     under it (a deployment's older web process) is settled the same way."""
     return settle_orders_task(order_pks)
@@ -59,7 +75,7 @@ def give_back_task(order_pks: list[int]) -> int:
 
 
 @shared_task
-def sweep_orders_task() -> dict[str, int]:
+def sweep_orders_task() -> SweptCount:
     report = orders.sweep_orders()
     return {"expired": len(report.expired), "requeued": len(report.requeued)}
 

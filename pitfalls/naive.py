@@ -20,10 +20,12 @@ from django.conf import settings
 from inventory import keys
 from inventory.exceptions import Busy, SoldOut
 from inventory.models import Item, Order
-from inventory.stock import read_stock, simulate_work
-from inventory.strategies.base import Allocation, RecordOrder
+from inventory.sale_values import Allocation
+from inventory.stock import read_stock
+from inventory.strategies.base import RecordOrder
 from inventory.strategies.lock import LockStrategy
-from inventory.strategies.plumbing import acquire_lock, new_lock, release_quietly
+from inventory.strategies.locks import acquire_lock, new_lock, release_quietly
+from inventory.strategies.waits import simulate_work
 from locking import Lock
 
 

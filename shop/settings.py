@@ -105,7 +105,7 @@ DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     # The same backend, whose health check asks the socket instead of sending `SELECT 1`.
     DATABASES["default"]["ENGINE"] = "shop.postgresql"
-# Lets the sale statement be prepared once per connection (inventory.stock); Django's own
+# Lets the sale statement be prepared once per connection (inventory.fastpath); Django's own
 # queries never are. Turn off behind a pooler in transaction mode that cannot keep them.
 if env.bool("DJANGO_DB_PREPARED_STATEMENTS", default=True):
     DATABASES["default"].setdefault("OPTIONS", {})["prepare_threshold"] = 5
@@ -252,7 +252,7 @@ FLASHSALE_LOCK_TTL_MS = env.int("FLASHSALE_LOCK_TTL_MS", default=5000)
 FLASHSALE_LOCK_WAIT_MS = env.int("FLASHSALE_LOCK_WAIT_MS", default=5000)
 FLASHSALE_LOCK_WATCHDOG = env.bool("FLASHSALE_LOCK_WATCHDOG", default=True)
 # What builds the strategies' locks (a dotted path; `locking.Lock`, ours, by default): the seam
-# through which the benchmark runs `lock` with a peer's lock (inventory.strategies.plumbing).
+# through which the benchmark runs `lock` with a peer's lock (inventory.strategies.locks).
 FLASHSALE_LOCK_FACTORY = env.str("FLASHSALE_LOCK_FACTORY", default="locking.Lock")
 # On: a process's lock waiters wait through one wake-up channel (locking.wakes: one list, one
 # connection), so its connections do not grow with its waiters (threaded or gevent workers).

@@ -19,6 +19,7 @@ from django.views.decorators.http import require_GET, require_http_methods
 
 from inventory import api, selectors, services
 from inventory.exceptions import Busy, CheckoutError, InvalidRequest
+from inventory.metrics import CheckoutOutcome
 from inventory.models import LIVE_STATUSES, BuyerAllowance, Item, Order, OrderStatus
 
 #: Statuses after which an order page stops polling.
@@ -97,7 +98,7 @@ def item_page(request: HttpRequest, sku: str) -> HttpResponse:
             except CheckoutError as exc:
                 error, counted.outcome = exc, exc.code
             else:
-                counted.outcome = "accepted"
+                counted.outcome = CheckoutOutcome.ACCEPTED
         if error is None:
             request.session["buyer"] = buyer
             return redirect("order", order_id=result.order.public_id)

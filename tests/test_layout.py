@@ -1,10 +1,14 @@
-"""The layout's promises: `locking/` is framework-free, strategies are one module each."""
+"""The layout's promises: `locking/` is framework-free, strategies are one module each, imports
+run down the layers and never in a cycle (every import counts, wherever it is written)."""
 
 from __future__ import annotations
 
 import ast
+import itertools
 import subprocess
 import sys
+from collections import deque
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from django.conf import settings
@@ -62,65 +66,59 @@ def _module_name(path: Path) -> str:
 
 
 def _project_modules() -> dict[str, Path]:
-    return {
-        _module_name(path): path
-        for layer in LAYERS
-        for path in (ROOT / layer).rglob("*.py")
-        if "migrations" not in path.parts
-    }
+    return {_module_name(path): path for layer in LAYERS for path in (ROOT / layer).rglob("*.py")}
 
 
-def _runtime_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
-    """Every import that can run, function-local ones included; `if TYPE_CHECKING:` blocks
-    (annotations only) never run."""
-    found: list[ast.Import | ast.ImportFrom] = []
+def _imports_of(name: str, source: str, modules: Iterable[str], *, package: bool) -> dict[str, int]:
+    """The project modules the module `name` imports, each with the line of its first import.
 
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
-        if isinstance(node, ast.Import | ast.ImportFrom):
-            found.append(node)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
+    Every import statement counts, wherever it is: at the top, inside a function or a class,
+    under `if TYPE_CHECKING:`. A reader follows each of them, and a cycle through a
+    function-local import is a cycle all the same: it only runs later. (What Django imports by
+    a dotted path from the settings, `import_string`, is not an import statement.)
+    """
+    known_modules = set(modules)
 
-    visit(tree)
+    def known(target: str) -> str | None:
+        while target and target not in known_modules:
+            target = target.rpartition(".")[0]
+        return target or None
+
+    anchor_package = name if package else name.rpartition(".")[0]
+    found: dict[str, int] = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = anchor_package.split(".")
+                anchor = parts[: len(parts) - node.level + 1]
+                base = ".".join([*anchor, *([node.module] if node.module else [])])
+            # `from pkg import sub` imports the submodule; `from mod import name` the module
+            targets = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in known_modules else base
+                for alias in node.names
+            ]
+        else:
+            continue
+        for target in targets:
+            resolved = known(target)
+            if resolved and resolved != name:
+                found[resolved] = min(found.get(resolved, node.lineno), node.lineno)
     return found
 
 
-def _import_graph() -> dict[str, set[str]]:
+def _import_graph() -> dict[str, dict[str, int]]:
+    """Each project module: the project modules it imports, each with the line that does."""
     modules = _project_modules()
-
-    def known(name: str) -> str | None:
-        while name and name not in modules:
-            name = name.rpartition(".")[0]
-        return name or None
-
-    graph: dict[str, set[str]] = {name: set() for name in modules}
-    for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in _runtime_imports(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            else:
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join([*anchor, *([node.module] if node.module else [])])
-                # `from pkg import sub` imports the submodule; `from mod import name` the module
-                targets = [
-                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
-                    for alias in node.names
-                ]
-            for target in targets:
-                resolved = known(target)
-                if resolved and resolved != name:
-                    graph[name].add(resolved)
-    return graph
+    return {
+        name: _imports_of(name, path.read_text(), modules, package=path.name == "__init__.py")
+        for name, path in modules.items()
+    }
 
 
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+def _cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
     """The strongly connected components of more than one module (Tarjan)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -152,15 +150,62 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def _a_cycle(component: list[str], graph: Mapping[str, Iterable[str]]) -> list[str]:
+    """A shortest cycle through the component's first module: [a, b, ..., a]."""
+    start, members = component[0], set(component)
+    paths = {start: [start]}
+    queue = deque([start])
+    while queue:
+        node = queue.popleft()
+        for other in sorted(graph[node]):
+            if other == start:
+                return [*paths[node], start]
+            if other in members and other not in paths:
+                paths[other] = [*paths[node], other]
+                queue.append(other)
+    raise AssertionError(f"{component} is no cycle")
+
+
+def _named(cycle: list[str], graph: Mapping[str, Mapping[str, int]]) -> str:
+    """The cycle as a reader follows it, each step with the import that makes it."""
+    steps = [
+        f"{module} imports {target} (line {graph[module][target]})"
+        for module, target in itertools.pairwise(cycle)
+    ]
+    return " -> ".join(steps)
+
+
+def _cycles_named(graph: Mapping[str, Mapping[str, int]]) -> list[str]:
+    return [_named(_a_cycle(component, graph), graph) for component in _cycles(graph)]
+
+
 def test_no_module_imports_itself_back_through_others():
     graph = _import_graph()
     assert len(graph) > 40 and "inventory.strategies.lua" in graph
     assert "inventory.models" in graph["inventory.services"]  # the graph sees imports at all
-    assert _cycles(graph) == []
+    cycles = _cycles_named(graph)
+    assert cycles == [], "import cycles:\n" + "\n".join(cycles)
 
 
-def test_a_cycle_is_found_when_there_is_one():
-    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+def test_a_cycle_is_found_and_named_by_its_imports():
+    graph = {"a": {"b": 3}, "b": {"c": 5}, "c": {"a": 7}, "d": {"a": 1}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _cycles_named(graph) == [
+        "a imports b (line 3) -> b imports c (line 5) -> c imports a (line 7)"
+    ]
+
+
+def test_imports_under_type_checking_and_inside_functions_count():
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from .strategies.base import Allocation\n"
+        "def rows_apart():\n"
+        "    from .strategies import get_strategy\n"
+    )
+    modules = ["inventory.keys", "inventory.strategies", "inventory.strategies.base"]
+    found = _imports_of("inventory.keys", source, modules, package=False)
+    assert found == {"inventory.strategies.base": 3, "inventory.strategies": 5}
 
 
 def test_imports_run_down_the_layers_only():

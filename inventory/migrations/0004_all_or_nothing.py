@@ -1,7 +1,7 @@
 """`inventory_all_or_nothing(done, parts)`: raise when a sale statement wrote only some rows.
 
-A sale is one statement (`inventory.stock.sell`) that may decrement several rows (stock shards,
-then the item). Each decrement has its own guard, so one can pass while another refuses; the
+A sale is one statement (`inventory.sale_statement.sell`) that may decrement several rows (stock
+shards, then the item). Each decrement has its own guard, so one can pass while another refuses; the
 statement then ends with this check, which aborts it, and PostgreSQL undoes every row it wrote.
 SQLSTATE FS001 lets the caller tell this refusal from a real error.
 """

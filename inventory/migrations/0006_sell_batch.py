@@ -1,8 +1,8 @@
 """`inventory_sell_batch(requests, at, wait)`: many checkouts' sales in one statement and one commit.
 
-Group commit for `lua` (`inventory.stock.sell_batch`): the checkouts gathered by one combiner are
-written together, each as its own sale with its own guards, so one refusal never undoes the
-others. Every request is a JSON object: item, sale, rows ({index: units}), qty, buyer, key,
+Group commit for `lua` (`inventory.batch_statement.sell_batch`): the checkouts gathered by one
+combiner are written together, each as its own sale with its own guards, so one refusal never
+undoes the others. Every request is a JSON object: item, sale, rows ({index: units}), qty, buyer, key,
 limit, served_by, fallback. Each gets one result row (its position from 1, the order id or
 NULL, the outcome):
 - `sold`: its stock rows were decremented (each guarded by `stock >= units`), its allowance

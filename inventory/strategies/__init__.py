@@ -12,7 +12,8 @@ from django.conf import settings
 from django.utils.module_loading import import_string
 
 from ..breaker import breaker
-from .base import Allocation, RecordOrder, StockStrategy
+from ..sale_values import Allocation
+from .base import RecordOrder, StockStrategy
 from .fallback import RedisWithFallback
 
 __all__ = [

@@ -3,41 +3,11 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Protocol
 
 from ..models import Item, Order
-from ..stock import Sold
-
-
-@dataclass(frozen=True)
-class Allocation:
-    """What a checkout takes and where from, handed to the order recorder.
-
-    The recorder writes it in one statement (`inventory.stock.sell`): the guarded decrement of
-    the item row (also of the shards in `shard_units`, and only at `expected_version` and
-    `fence` when given), the buyer's allowance and the order row.
-    """
-
-    strategy: str
-    shard_units: dict[int, int] | None = None
-    fallback: bool = False
-    expected_version: int | None = None
-    #: Write this absolute stock instead of a guarded decrement (the `unsafe` lost update).
-    set_stock: int | None = None
-    #: The fencing token of the lock the write is made under (`locking.Lock.fence`): the item
-    #: row refuses it when it has accepted a later one. None: a write under no fenced lock.
-    fence: int | None = None
-    #: The same per stock row in `shard_units` (each row's own lock's fence), or None.
-    shard_fences: dict[int, int] | None = None
-    #: Take each row's writer gate first (`inventory.stock.sell`) and refuse, as a lost race,
-    #: when another gated writer holds one: so the writers that decide by no lock (`optimistic`,
-    #: and through it the fallback) never queue on a row, however many processes sell.
-    gated: bool = False
-
-    def as_fallback(self) -> Allocation:
-        return replace(self, fallback=True)
+from ..sale_values import Allocation, SaleRequest, Sold
 
 
 class PreparedWrite(Protocol):
@@ -55,7 +25,7 @@ class PreparedWrite(Protocol):
 
 
 class RecordOrder(Protocol):
-    """Writes the checkout's sale (`inventory.stock.SaleRecorder`)."""
+    """Writes the checkout's sale (`inventory.sale_statement.SaleRecorder`)."""
 
     @property
     def idempotency_key(self) -> str | None:
@@ -65,8 +35,8 @@ class RecordOrder(Protocol):
     def __call__(self, allocation: Allocation) -> Sold | None:
         """Take the allocation's units and write the order row (and anything else the checkout
         records) all at once: the committed sale, or None when a guard refused and nothing
-        changed. Raises `inventory.stock.HalfDone` when a multi-row allocation was refused part
-        way (nothing changed either)."""
+        changed. Raises `inventory.sale_values.HalfDone` when a multi-row allocation was
+        refused part way (nothing changed either)."""
 
     def prepare(self, allocation: Allocation) -> PreparedWrite:
         """The same write as a call with `allocation`, made ready (its statement built, a
@@ -75,8 +45,12 @@ class RecordOrder(Protocol):
     def as_fallback(self) -> RecordOrder:
         """The same checkout, recorded as served by the database fallback."""
 
-    def request(self, *, served_by: str) -> dict[str, Any]:
-        """The sale as `inventory.stock.sell_batch` takes it (less its rows), for group commit."""
+    def request(
+        self, *, served_by: str, rows: dict[int, int], fences: dict[int, int] | None = None
+    ) -> SaleRequest:
+        """The sale as `inventory.batch_statement.sell_batch` takes it, for group commit: `rows`
+        the units to take from each stock row, `fences` (a lock holder's) each row's lock's
+        fencing token."""
 
     def sold(
         self,
@@ -87,7 +61,7 @@ class RecordOrder(Protocol):
         shard_units: dict[int, int],
         placed_at: datetime,
     ) -> Sold:
-        """The sale `inventory.stock.sell_batch` committed for this checkout."""
+        """The sale `inventory.batch_statement.sell_batch` committed for this checkout."""
 
 
 class StockStrategy(ABC):
@@ -119,12 +93,9 @@ class StockStrategy(ABC):
     counts_in_redis: bool = False
     #: How many stock rows the strategy keeps for an item's sale (0: the item row alone).
     shard_count: int = 0
-    #: Whether each stock row's Redis counter lives apart, in a cluster slot of its own with its
-    #: row's lock (`segmented`), rather than all of a sale's in one slot (`inventory.keys`).
-    rows_apart: bool = False
     #: Whether a checkout may use an item read a moment ago (FLASHSALE_ITEM_MEMORY_MS): true
     #: when everything the strategy decides with is kept per sale and checked at the write,
-    #: and it raises `inventory.stock.SaleRestarted` when it finds the sale restarted.
+    #: and it raises `inventory.sale_values.SaleRestarted` when it finds the sale restarted.
     item_may_be_remembered: bool = False
 
     @abstractmethod

@@ -30,7 +30,6 @@ class RedisWithFallback(StockStrategy):
         self.oversells = primary.oversells
         self.shard_count = primary.shard_count
         self.counts_in_redis = primary.counts_in_redis
-        self.rows_apart = primary.rows_apart
         self.holds_locks = primary.holds_locks
         # The fallback decides from the database rows of the sale (and refuses a sale that is
         # no longer current) just as well.

@@ -10,15 +10,11 @@ from .. import keys, metrics
 from ..exceptions import Busy, LockLost, SoldOut
 from ..models import Item, Order
 from ..redis_client import get_redis_client
-from ..stock import Fenced, read_stock, simulate_work
-from .base import Allocation, RecordOrder, StockStrategy
-from .plumbing import (
-    acquire_lock,
-    ensure_still_held,
-    fence_of,
-    new_lock,
-    release_quietly,
-)
+from ..sale_values import Allocation, Fenced
+from ..stock import read_stock
+from .base import RecordOrder, StockStrategy
+from .locks import acquire_lock, ensure_still_held, fence_of, new_lock, release_quietly
+from .waits import simulate_work
 
 
 class LockStrategy(StockStrategy):

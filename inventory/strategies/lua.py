@@ -9,13 +9,9 @@ buyer: lua pays for Redis and its own row, not for a queue on the item row.
 Group commit: the checkouts in flight in one web process are taken and written together
 (`inventory.batching`, docs/decisions/0001-group-commit-in-the-web-process.md): one script
 takes every checkout's units (`StockCounter.take_spread_many`), one statement writes every
-sale that got units and commits (`inventory.stock.sell_batch`), each sale with its own guards.
+sale that got units and commits (`inventory.batch_statement`), each sale with its own guards.
 A lone checkout is a batch of one, and so is one inside a caller's transaction (written on its
 own connection, as part of that transaction).
-
-If the database refuses, a counter was too high (it was rebuilt while other processes still
-sold through the fallback): the counters are set from the database and the take is tried once
-more. If anything else fails before commit, the units go back to the counters.
 """
 
 from __future__ import annotations
@@ -33,16 +29,18 @@ from django.db import IntegrityError, connection
 from locking import Claim, KeyClaimed
 from locking.counter import Take
 
-from .. import deadline, keys, stock
+from .. import deadline, keys
+from ..batch_statement import sell_batch
 from ..batching import Batcher, Expired
 from ..breaker import breaker
 from ..exceptions import Busy, LimitReached, OutcomeUnknown, SoldOut
 from ..models import Item, Order
 from ..redis_client import REDIS_DOWN_ERRORS, get_redis_client
-from ..stock import HalfDone, Outcome, Sold, back_off, plan_rows, shard_stocks, simulate_work
-from . import plumbing
-from .base import Allocation, RecordOrder, StockStrategy
-from .plumbing import add_to_rows
+from ..sale_values import Allocation, HalfDone, Outcome, SaleRestarted, Sold
+from ..stock import ensure_current, plan_rows, shard_stocks
+from .base import RecordOrder, StockStrategy
+from .counters import counter, total
+from .waits import back_off, simulate_work
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +65,7 @@ def _claim(item: Item, record: RecordOrder) -> Claim | None:
 
 def _release(claim: Claim) -> None:
     try:
-        plumbing.counter().release_claim(claim)
+        counter().release_claim(claim)
     except REDIS_DOWN_ERRORS:
         pass  # it expires on its own; meanwhile a twin waits or is answered busy
 
@@ -143,10 +141,13 @@ def _take_and_write(checkouts: Sequence[_Checkout]) -> list[_Answer | BaseExcept
     was written: each goes to the fallback); a checkout whose deadline passed meanwhile is
     answered Busy, its units given back."""
     try:
-        results = plumbing.counter().take_spread_many(
+        results = counter().take_spread_many(
             [
                 Take(
-                    keys.turn(checkout.item), keys.rows(checkout.item), checkout.qty, checkout.claim
+                    keys.turn(checkout.item),
+                    keys.stripe_counters(checkout.item),
+                    checkout.qty,
+                    checkout.claim,
                 )
                 for checkout in checkouts
             ]
@@ -172,13 +173,13 @@ def _take_and_write(checkouts: Sequence[_Checkout]) -> list[_Answer | BaseExcept
     if not writes:
         return answers
     sales = [
-        {**checkout.record.request(served_by=LuaStrategy.name), "rows": plan}
+        checkout.record.request(served_by=LuaStrategy.name, rows=plan)
         for _, checkout, plan in writes
     ]
     try:
         simulate_work()
         with deadline.bounded_by(min(checkout.deadline for _, checkout, _ in writes)):
-            written = stock.sell_batch(sales)
+            written = sell_batch(sales)
     except BaseException as error:
         # Nothing committed (a refusal, a timeout, a lost connection the database says wrote
         # nothing), except when it cannot tell (OutcomeUnknown): then the units stay taken.
@@ -230,7 +231,7 @@ def _ask(checkout: _Checkout) -> _Answer | None:
 
 def _give_back(item: Item, plan: dict[int, int]) -> None:
     try:
-        plumbing.counter().give_back_many({keys.row(item, i): u for i, u in plan.items()})
+        counter().give_back_many({keys.stripe_counter(item, i): u for i, u in plan.items()})
     except REDIS_DOWN_ERRORS as exc:
         breaker.record_failure(exc)
         # The counters are now low; rebuilding them from the database when Redis is
@@ -239,6 +240,11 @@ def _give_back(item: Item, plan: dict[int, int]) -> None:
 
 
 class LuaStrategy(StockStrategy):
+    """If the database refuses a sale, a counter was too high (it was rebuilt while other
+    processes still sold through the fallback): the counters are set from the database and the
+    take is tried once more. If anything else fails before commit, the units go back to the
+    counters."""
+
     name = "lua"
     label = "atomic check-and-DECRBY script over the stripe counters"
     uses_redis = True
@@ -267,7 +273,7 @@ class LuaStrategy(StockStrategy):
                     raise IntegrityError("idempotency key already used")  # replayed by the caller
                 if answer.written is Outcome.LIMIT:
                     raise LimitReached(sku=item.sku, limit=item.per_buyer_limit or 0)
-                raise stock.SaleRestarted(f"{item.sku}: sale {item.current_sale_id} is over")
+                raise SaleRestarted(f"{item.sku}: sale {item.current_sale_id} is over")
             return self._refused(item, qty, record)
         finally:
             if claim is not None:
@@ -277,7 +283,7 @@ class LuaStrategy(StockStrategy):
         """Redis granted units the database refused, twice: its counters lag the database
         (rebuilt while other sales were in flight). Let the database decide, as the fallback
         does: sell from the rows it says hold the units, then set the counters from it."""
-        stock.ensure_current(item)
+        ensure_current(item)
         for attempt in range(ATTEMPTS):
             levels = shard_stocks(item.current_sale_id)
             if sum(levels.values()) < qty:
@@ -299,28 +305,46 @@ class LuaStrategy(StockStrategy):
     @staticmethod
     def _seed(item: Item) -> None:
         # Counters are missing when Redis lost them, or when a restart dropped this sale's.
-        stock.ensure_current(item)
+        ensure_current(item)
         levels = shard_stocks(item.current_sale_id)
         pipe = get_redis_client().pipeline(transaction=False)
         for index, units in levels.items():
-            pipe.set(keys.row(item, index), units, nx=True)
+            pipe.set(keys.stripe_counter(item, index), units, nx=True)
         pipe.execute()
 
     def _resync(self, item: Item) -> None:
         try:
-            plumbing.sync_rows(item)
+            _set_counters(item)
         except REDIS_DOWN_ERRORS as exc:
             breaker.record_failure(exc)
             logger.warning("could not resync %s from the database: Redis is down", item.sku)
 
     def sync_redis(self, *, item: Item, force: bool = False) -> None:
-        plumbing.sync_rows(item)
+        _set_counters(item)
 
     def return_units(self, *, item: Item, order: Order) -> None:
-        plumbing.give_back_rows(item, order)
+        # Once per order, however often it is asked (a redelivered task): the sale's marker.
+        amounts = {
+            keys.stripe_counter(item, int(index)): units
+            for index, units in (order.shard_units or {}).items()
+        }
+        if amounts:
+            counter().give_back_once(keys.returned_marker(item, order.pk), amounts)
 
     def add_units(self, *, item: Item, units: int, rows: dict[int, int]) -> None:
-        add_to_rows(item, rows)
+        # By increments (a take may run meanwhile); a missing counter stays missing: it is
+        # seeded from the database, which has the units already.
+        amounts = {
+            keys.stripe_counter(item, index): added for index, added in rows.items() if added
+        }
+        if amounts:
+            counter().give_back_many(amounts)
 
     def redis_stock(self, *, item: Item) -> int | None:
-        return plumbing.rows_total(item)
+        return total(keys.stripe_counters(item))
+
+
+def _set_counters(item: Item) -> None:
+    """Set every stripe counter of the item's sale from its row in the database."""
+    levels = shard_stocks(item.current_sale_id)
+    counter().set_many({keys.stripe_counter(item, index): units for index, units in levels.items()})

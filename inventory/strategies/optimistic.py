@@ -7,19 +7,11 @@ from django.db import transaction
 
 from ..exceptions import Busy, SoldOut
 from ..models import Item, Order
-from ..stock import (
-    HalfDone,
-    RowLockTimeout,
-    Sold,
-    back_off,
-    lock_stock_row,
-    plan_rows,
-    read_stock,
-    shard_stocks,
-    simulate_work,
-    wait_for_gates,
-)
-from .base import Allocation, RecordOrder, StockStrategy
+from ..row_locks import lock_stock_row, wait_for_gates
+from ..sale_values import Allocation, HalfDone, RowLockTimeout, Sold
+from ..stock import plan_rows, read_stock, shard_stocks
+from .base import RecordOrder, StockStrategy
+from .waits import back_off, simulate_work
 
 
 class OptimisticStrategy(StockStrategy):

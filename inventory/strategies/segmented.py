@@ -1,33 +1,13 @@
-"""`segmented`: the stock split over shards, each with its own Redis lock.
+"""`segmented`: the stock split over shards, each a stock row of the sale with its own Redis
+lock; a buyer walks the ring of shards from a random one (`SegmentedStrategy`).
 
-Each shard's database row is the system of record for its units: a sale writes the row(s) of
-the shard(s) it took from and the order, never the item row, whose stock is derived from the
-shards. Redis holds a hint per shard, the level and version of its row copied from the
-database: by the lock holder right after each commit (the levels its statement returned), by a
-give-back or restock after its commit (read afresh). A copy never replaces a later version of
-the row, so the hints end at the database's levels whatever order the copies land in, and they
-are lower than the truth only between a give-back's commit and its copy (or after a crash,
-which the rebuild on recovery repairs).
-
-Lock order: shard locks are only ever waited for in ascending index order while others are
-held, and the sale statement decrements the rows of a multi-shard sale in index order too.
-
-A buyer starts at a random shard and walks the ring:
-1. shards whose hint covers the whole quantity and whose lock is free right now: take one, serve
-   from it; if the database finds it short, correct its hint and move on;
-2. then wait (up to FLASHSALE_LOCK_WAIT_MS in all) for the busy ones among those;
-3. when no single shard holds the quantity (or all that seemed to were short), lock every shard
-   in index order and serve from several, lowest index first. Locks are only ever waited for
-   in ascending order while others are held, so two buyers cannot deadlock.
-Sold out only when the shards together hold fewer units than asked.
-
-Step 1 runs as a batch of the checkouts in flight in one web process (`inventory.batching`,
-docs/decisions/0001-group-commit-in-the-web-process.md): one round trip to Redis locks a shard
-for each (`StockCounter.lock_first_holding_many`), one statement writes their sales, each
-fenced by its lock's token, and commits (`inventory.stock.sell_batch`), one call releases the
-locks with their hints. A lone checkout is a batch of one. A checkout the batch did not sell
-(no free shard held its quantity, or its row was short) goes on to steps 2 and 3 on its own,
-with `locking.Lock` objects (and their watchdogs) for the shards it waits for.
+Each shard's row is the system of record for its units: a sale writes the row(s) it took from
+and the order, never the item row. Redis holds a hint per shard, its row's level and version
+copied from the database after each commit; a copy never replaces a later version, so the
+hints end at the database's levels whatever order the copies land in. Lock order: shard locks
+are only waited for in ascending index order while others are held, and a multi-shard sale
+decrements its rows in index order too: two buyers cannot deadlock. The first try runs in
+batches (`inventory.batching`): docs/decisions/0001-group-commit-in-the-web-process.md.
 """
 
 from __future__ import annotations
@@ -36,7 +16,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,35 +24,24 @@ from django.conf import settings
 from django.db import connection
 
 from locking import Lock, release_each_call
-from locking.cluster import is_cluster
+from locking.cluster import by_slot, is_cluster
 from locking.counter import LockFirst, StockCounter
 from locking.scripts import script_for
 from locking.scripts.counter import STOCK_SET_NEWER
 
-from .. import deadline, keys, stock
+from .. import deadline, keys
+from ..batch_statement import sell_batch
 from ..batching import Batcher, Expired
 from ..breaker import breaker, remember_unsettled
 from ..exceptions import Busy, OutcomeUnknown, SoldOut
 from ..models import Item, Order
 from ..redis_client import REDIS_DOWN_ERRORS, get_redis_client
-from ..stock import (
-    HalfDone,
-    Outcome,
-    Sold,
-    StockRow,
-    ensure_current,
-    shard_rows,
-    simulate_work,
-)
-from . import plumbing
-from .base import Allocation, RecordOrder, StockStrategy
-from .plumbing import (
-    acquire_lock,
-    ensure_still_held,
-    fence_of,
-    new_lock,
-    release_with_hints,
-)
+from ..sale_values import Allocation, HalfDone, Outcome, Sold, StockRow
+from ..stock import ensure_current, shard_rows
+from .base import RecordOrder, StockStrategy
+from .counters import counter, total
+from .locks import acquire_lock, ensure_still_held, fence_of, new_lock, release_quietly
+from .waits import simulate_work
 
 logger = logging.getLogger(__name__)
 
@@ -109,15 +78,15 @@ def _lock_first(checkouts: Sequence[_Checkout], tokens: list[str]) -> list[Any]:
     a call each (`StockCounter.lock_first_holding` walks the shards there)."""
     ttl_ms = settings.FLASHSALE_LOCK_TTL_MS
     calls = [
-        LockFirst(keys.rows(c.item), keys.shard_locks(c.item), c.qty, c.start, token, ttl_ms)
+        LockFirst(keys.shard_hints(c.item), keys.shard_locks(c.item), c.qty, c.start, token, ttl_ms)
         for c, token in zip(checkouts, tokens, strict=True)
     ]
-    counter = plumbing.counter()
+    counters = counter()
     try:
-        if not is_cluster(counter.redis):
-            return counter.lock_first_holding_many(calls)
+        if not is_cluster(counters.redis):
+            return counters.lock_first_holding_many(calls)
         return [
-            counter.lock_first_holding(
+            counters.lock_first_holding(
                 call.counters,
                 call.locks,
                 call.qty,
@@ -162,18 +131,15 @@ def _lock_and_write(checkouts: Sequence[_Checkout]) -> list[Sold | _Missed | Bas
     if not held:
         return answers
     sales = [
-        {
-            **checkouts[n].record.request(served_by=SegmentedStrategy.name),
-            "rows": {shard: checkouts[n].qty},
-            "fences": {shard: fence},
-            "levels": True,
-        }
+        checkouts[n].record.request(
+            served_by=SegmentedStrategy.name, rows={shard: checkouts[n].qty}, fences={shard: fence}
+        )
         for n, shard, fence in held
     ]
     try:
         simulate_work()
         with deadline.bounded_by(min(checkouts[n].deadline for n, _, _ in held)):
-            written = stock.sell_batch(sales)
+            written = sell_batch(sales)
     except BaseException as error:
         _release(checkouts, tokens, [(n, shard, None) for n, shard, _ in held])
         for (n, _, _), sale in zip(held, sales, strict=True):
@@ -212,7 +178,7 @@ def _release(
     releases = []
     for n, shard, levels in held:
         item = checkouts[n].item
-        hint = {keys.row(item, shard): levels[shard]} if levels and shard in levels else {}
+        hint = {keys.shard_hint(item, shard): levels[shard]} if levels and shard in levels else {}
         _, hint_keys, hint_args = StockCounter.set_newer_call(hint)
         releases.append((keys.shard_locks(item)[shard], tokens[n], hint_keys, hint_args))
     client = get_redis_client()
@@ -247,14 +213,33 @@ def _first_try(checkout: _Checkout) -> Sold | _Missed:
 
 
 class SegmentedStrategy(StockStrategy):
+    """A buyer starts at a random shard and walks the ring:
+
+    1. shards whose hint covers the whole quantity and whose lock is free right now: take one,
+       serve from it; if the database finds it short, correct its hint and move on;
+    2. then wait (up to FLASHSALE_LOCK_WAIT_MS in all) for the busy ones among those;
+    3. when no single shard holds the quantity (or all that seemed to were short), lock every
+       shard in index order and serve from several, lowest index first.
+
+    Sold out only when the shards together hold fewer units than asked.
+
+    Step 1 runs as a batch of the checkouts in flight in one web process (`_lock_and_write`):
+    one round trip to Redis locks a shard for each (`StockCounter.lock_first_holding_many`),
+    one statement writes their sales, each fenced by its lock's token, and commits
+    (`inventory.batch_statement`), one call releases the locks with their hints. A lone
+    checkout is a batch of one. A checkout the batch did not sell (no free shard held its
+    quantity, or its row was short) goes on to steps 2 and 3 on its own, with `locking.Lock`
+    objects (and their watchdogs) for the shards it waits for. A hint is lower than its row
+    only between a give-back's commit and its copy (or after a crash, which the rebuild on
+    recovery repairs).
+    """
+
     name = "segmented"
     label = f"{settings.FLASHSALE_SHARDS} shards, one Redis lock each"
     uses_redis = True
     holds_locks = True
     counts_in_redis = True
     shard_count = settings.FLASHSALE_SHARDS
-    # Each shard's hint shares a cluster slot with its lock, not with the other shards.
-    rows_apart = True
     # Hints, locks and rows are the sale's own, and its write refuses a sale restarted since:
     # a checkout may use an item read a moment ago.
     item_may_be_remembered = True
@@ -271,7 +256,7 @@ class SegmentedStrategy(StockStrategy):
             # Redis lost the hints, or a restart dropped this sale's: only rebuild a current
             # sale's.
             ensure_current(item)
-            hints = plumbing.refresh_hints(item)
+            hints = _refresh_hints(item)
         if sum(hints) < qty:
             raise SoldOut(sku=item.sku, requested=qty, remaining=sum(hints))
 
@@ -321,7 +306,7 @@ class SegmentedStrategy(StockStrategy):
             levels = {index: row.stock for index, row in rows.items()}
             if sum(levels.values()) < qty:
                 ensure_current(item)
-                plumbing.write_hints(item, rows)
+                _write_hints(item, rows)
                 raise SoldOut(sku=item.sku, requested=qty, remaining=sum(levels.values()))
             plan: dict[int, int] = {}
             needed = qty
@@ -337,7 +322,7 @@ class SegmentedStrategy(StockStrategy):
                 )
             return order
         finally:
-            release_with_hints(item, dict(reversed(locks.items())), hints)
+            _release_with_hints(item, dict(reversed(locks.items())), hints)
 
     def _serve_locked(
         self,
@@ -351,7 +336,7 @@ class SegmentedStrategy(StockStrategy):
         try:
             return self._serve(item, qty, record, plan, locks, hints)
         finally:
-            release_with_hints(item, locks, hints)
+            _release_with_hints(item, locks, hints)
 
     def _serve(
         self,
@@ -399,23 +384,78 @@ class SegmentedStrategy(StockStrategy):
 
     def _write_hints_quietly(self, item: Item, rows: dict[int, StockRow]) -> None:
         try:
-            plumbing.write_hints(item, rows)
+            _write_hints(item, rows)
         except REDIS_DOWN_ERRORS as exc:
             breaker.record_failure(exc)
             logger.warning("could not update %s shard hints: Redis is down", item.sku)
 
     def sync_redis(self, *, item: Item, force: bool = False) -> None:
-        plumbing.refresh_hints(item, force=force)
+        _refresh_hints(item, force=force)
 
     def return_units(self, *, item: Item, order: Order) -> None:
         # The rows hold the units again (committed): copy them. Doing it twice changes nothing.
         indexes = [int(index) for index in order.shard_units or {}]
         if indexes:
-            plumbing.refresh_hints(item, indexes, create=False)
+            _refresh_hints(item, indexes, create=False)
 
     def add_units(self, *, item: Item, units: int, rows: dict[int, int]) -> None:
         if rows:
-            plumbing.refresh_hints(item, rows, create=False)
+            _refresh_hints(item, rows, create=False)
 
     def redis_stock(self, *, item: Item) -> int | None:
-        return plumbing.rows_total(item)
+        return total(keys.shard_hints(item))
+
+
+# -- the hints ---------------------------------------------------------------------------------
+
+
+def _write_hints(
+    item: Item, rows: dict[int, StockRow], *, create: bool = True, force: bool = False
+) -> list[int]:
+    """Copy the rows' levels read from the database to their hints, unless a hint holds a
+    later version of its row already (see `StockCounter.set_newer`); return every row's level
+    as given (0 where not given)."""
+    counter().set_newer(
+        {keys.shard_hint(item, index): (row.stock, row.version) for index, row in rows.items()},
+        create=create,
+        force=force,
+    )
+    return [rows[index].stock if index in rows else 0 for index in range(item.shard_count)]
+
+
+def _refresh_hints(
+    item: Item,
+    indexes: Iterable[int] | None = None,
+    *,
+    create: bool = True,
+    force: bool = False,
+) -> list[int]:
+    """`_write_hints` from the rows as the database holds them now (those in `indexes`)."""
+    return _write_hints(item, shard_rows(item.current_sale_id, indexes), create=create, force=force)
+
+
+def _release_with_hints(item: Item, locks: dict[int, Lock], rows: dict[int, StockRow]) -> None:
+    """Release each shard's lock (`release_quietly`), its hint copied from `rows` (the levels
+    its holder's statement returned) in the same call to Redis where the lock is ours and on
+    the hint's slot: one round trip per shard instead of two, and the next holder finds the
+    hint current. Hints of shards not locked here, or behind another kind of lock, are written
+    on their own first."""
+    alone: dict[int, StockRow] = {}
+    paired: dict[int, tuple[str, list[Any], list[Any]]] = {}
+    for index, row in rows.items():
+        lock = locks.get(index)
+        hint = keys.shard_hint(item, index)
+        if not isinstance(lock, Lock) or (
+            is_cluster(get_redis_client()) and len(by_slot([hint, lock.name], str)) > 1
+        ):
+            alone[index] = row
+            continue
+        paired[index] = counter().set_newer_call({hint: (row.stock, row.version)})
+    if alone:
+        try:
+            _write_hints(item, alone)
+        except REDIS_DOWN_ERRORS as exc:
+            breaker.record_failure(exc)
+            logger.warning("could not update %s shard hints: Redis is down", item.sku)
+    for index, lock in locks.items():
+        release_quietly(lock, after=paired.get(index))

@@ -11,8 +11,9 @@ from django.conf import settings
 
 from ..exceptions import SoldOut
 from ..models import Item, Order
-from ..stock import simulate_work
-from .base import Allocation, RecordOrder, StockStrategy
+from ..sale_values import Allocation
+from .base import RecordOrder, StockStrategy
+from .waits import simulate_work
 
 
 class UnsafeStrategy(StockStrategy):

@@ -42,11 +42,12 @@ def _buy_through_place_order(sku: str, label: str, worker: int) -> Callable[[], 
 
 
 def _sell_directly(sku: str, label: str, worker: int, served_by: str) -> Callable[[], bool]:
-    """One sale statement of `inventory.stock.sell` (guarded UPDATE of the item row, order
-    INSERT, commit), called directly: no service, no Redis, no lock."""
+    """One sale statement of `inventory.sale_statement.sell` (guarded UPDATE of the item row,
+    order INSERT, commit), called directly: no service, no Redis, no lock."""
     from inventory.models import Item
-    from inventory.stock import SaleRecorder, sell, simulate_work
-    from inventory.strategies.base import Allocation
+    from inventory.sale_statement import SaleRecorder, sell
+    from inventory.sale_values import Allocation
+    from inventory.strategies.waits import simulate_work
 
     item = Item.objects.get(sku=sku)
     serial = iter(range(10**9))
@@ -70,13 +71,13 @@ def _buy_by_evalsha_and_sell(sku: str, label: str, worker: int) -> Callable[[], 
     counters), then the sale statement on the stripe it names, and nothing else."""
     from inventory import keys
     from inventory.models import Item
-    from inventory.stock import SaleRecorder, sell
-    from inventory.strategies import plumbing
-    from inventory.strategies.base import Allocation
+    from inventory.sale_statement import SaleRecorder, sell
+    from inventory.sale_values import Allocation
+    from inventory.strategies.counters import counter as stock_counter
 
     item = Item.objects.get(sku=sku)
-    counter = plumbing.counter()
-    counters, cursor = keys.rows(item), keys.turn(item)
+    counter = stock_counter()
+    counters, cursor = keys.stripe_counters(item), keys.turn(item)
     serial = iter(range(10**9))
 
     def buy() -> bool:

@@ -158,7 +158,7 @@ class Result:
     #: buyer got its turn alike, 0 when one never did. A p99 over the sales made hides the
     #: buyer that made none.
     fewest_share: float | None = None
-    #: For a batched contender: the sale's orders per commit (`inventory.stock.sell_batch`
+    #: For a batched contender: the sale's orders per commit (`batch_statement.sell_batch`
     #: stamps the orders of one batch with one `created_at`).
     units_per_commit: float | None = None
     audit: dict[str, Any] = field(default_factory=dict)

@@ -80,10 +80,10 @@ class Probe:
     """Times, inside one buyer process, the phases that can serialize checkouts.
 
     - lock wait / lock held: from asking for the Redis lock (item lock, shard lock, or a peer's
-      lock: whatever `inventory.strategies.plumbing.acquire_lock` is handed) to getting it, and
+      lock: whatever `inventory.strategies.locks.acquire_lock` is handed) to getting it, and
       from getting it to its release;
-    - sale write: the one statement of `inventory.stock.sell` (guarded decrements, order row,
-      commit), which waits for the item row while another sale holds it;
+    - sale write: the one statement of `inventory.sale_statement.sell` (guarded decrements,
+      order row, commit), which waits for the item row while another sale holds it;
     - publish: handing the order to the order publisher after commit.
 
     Wrappers only: the strategies' code runs unchanged. `install` once per process, then
@@ -154,10 +154,10 @@ class Probe:
 
         return timed
 
-    def _timed_release(self, release: Callable[[Any], None]) -> Callable[[Any], None]:
-        def timed(lock: Any) -> None:
+    def _timed_release(self, release: Callable[..., None]) -> Callable[..., None]:
+        def timed(lock: Any, **options: Any) -> None:
             try:
-                release(lock)
+                release(lock, **options)
             finally:
                 acquired_at = getattr(lock, "bench_acquired_at", None)
                 if acquired_at is not None:
@@ -166,7 +166,7 @@ class Probe:
         return timed
 
 
-#: How the statement of `inventory.stock.sell` starts (and no other statement of a checkout).
+#: How the sale statement (`inventory.sale_statement`) starts, and no other of a checkout's.
 _SALE_WRITE = "WITH "
 
 #: The --profile columns: (phase, heading).

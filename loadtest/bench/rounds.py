@@ -71,8 +71,8 @@ def _audit(contender: Contender, stock: int, sold: int) -> dict[str, Any]:
 
 
 def _units_per_commit(contender: Contender) -> float | None:
-    """The orders of the contender's sale over its commits: `inventory.stock.sell_batch` stamps
-    the orders of one batch with one `created_at`. None when it sold nothing."""
+    """The orders of the contender's sale over its commits: `batch_statement.sell_batch`
+    stamps the orders of one batch with one `created_at`. None when it sold nothing."""
     from django.db.models import Count
 
     from inventory.models import Item, Order

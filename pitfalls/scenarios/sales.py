@@ -25,10 +25,11 @@ from inventory.breaker import breaker
 from inventory.exceptions import Busy, SoldOut
 from inventory.models import Item, Order
 from inventory.redis_client import REDIS_DOWN_ERRORS
+from inventory.sale_statement import SaleRecorder
+from inventory.sale_values import Allocation, Sold
 from inventory.services import start_sale
-from inventory.stock import SaleRecorder, Sold
 from inventory.strategies import get_strategy
-from inventory.strategies.base import Allocation, PreparedWrite, StockStrategy
+from inventory.strategies.base import PreparedWrite, StockStrategy
 from inventory.strategies.lua import LuaStrategy
 
 from .. import naive

@@ -108,7 +108,7 @@ def test_segmented_spreads_an_items_shards_over_the_masters(cluster, cluster_sho
     # Then each shard's hint shares its master with its shard's lock, and the shards of the
     # one item live on at least two masters
     item = Item.objects.get(sku=sku)
-    hints, locks = keys.rows(item), keys.shard_locks(item)
+    hints, locks = keys.shard_hints(item), keys.shard_locks(item)
     hint_ports = [cluster.port_of(key) for key in hints]
     assert hint_ports == [cluster.port_of(key) for key in locks]
     assert len(set(hint_ports)) >= 2, hint_ports
@@ -143,7 +143,8 @@ def test_the_pages_health_check_and_reconciler_work_on_a_cluster(cluster, cluste
     # When one of its counters on the cluster goes wrong (too high: Redis would grant units
     # the database does not hold)
     client = get_redis_client()
-    counter = keys.rows(Item.objects.get(sku=sku))[3]
+    sold = Item.objects.get(sku=sku)
+    counter = (keys.shard_hint if strategy == "segmented" else keys.stripe_counter)(sold, 3)
     client.incrby(counter, 7)
     assert not audit_sale(sku)["consistent"]
 
@@ -212,7 +213,7 @@ def test_a_master_killed_mid_sale_fails_over_and_nothing_is_oversold_or_lost(
     item = Item.objects.get(sku=sku)
     hot_key = {
         "lock": keys.item_lock,
-        "segmented": lambda sold: keys.rows(sold)[0],
+        "segmented": lambda sold: keys.shard_hint(sold, 0),
         "lua": keys.turn,
     }[strategy](item)
     results = []

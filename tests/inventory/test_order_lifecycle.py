@@ -15,7 +15,7 @@ from django.core.management import call_command
 from django.utils import timezone
 
 from inventory import orders
-from inventory.keys import row as row_key
+from inventory.keys import shard_hint, stripe_counter
 from inventory.models import BuyerAllowance, Item, Order, OrderStatus, PaymentAttempt
 from inventory.redis_client import get_redis_client
 from inventory.selectors import audit_sale
@@ -252,7 +252,7 @@ def test_reconcile_repairs_database_and_redis_drift():
     item = Item.objects.get(sku="widget")
     # drift: a shard row loses units, Redis hints go wrong
     item.shards.filter(sale=item.current_sale, index=9).update(stock=0)
-    get_redis_client().set(row_key(item, 3), 99)
+    get_redis_client().set(shard_hint(item, 3), 99)
     assert not audit_sale("widget")["consistent"]
 
     out = StringIO()
@@ -276,7 +276,7 @@ def test_reconcile_restores_a_lua_counter_left_low_by_a_crash():
     # a process died between its DECRBY and its commit: Redis is low, units look sold
     holding = item.shards.filter(sale=item.current_sale, stock__gt=0).order_by("index")[:3]
     for index in holding.values_list("index", flat=True):
-        get_redis_client().decrby(row_key(item, index), 1)
+        get_redis_client().decrby(stripe_counter(item, index), 1)
     assert get_strategy("lua").redis_stock(item=item) == 5
     repairs_before = _sample("flashsale_reconciler_repairs_total", store="redis")
     units_before = _sample("flashsale_reconciler_drift_units_total", store="redis")

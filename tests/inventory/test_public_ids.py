@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from inventory import stock
+from inventory.batch_statement import sell_batch
 from inventory.models import Item, Order, new_public_id
 from inventory.services import place_order, start_sale
 
@@ -62,7 +62,7 @@ def test_every_way_an_order_is_written_gives_it_a_time_ordered_id():
     started = time.time_ns() // 1_000_000
     own = place_order(sku="ids-lock", qty=1, buyer="ann").order
     _next_millisecond()
-    batch = stock.sell_batch(
+    batch = sell_batch(
         [
             {
                 "item": lua.pk,

@@ -15,7 +15,7 @@ from inventory.breaker import breaker
 from inventory.models import Item
 from inventory.selectors import audit_sale
 from inventory.services import place_order, start_sale
-from inventory.strategies import plumbing
+from inventory.strategies.counters import counter
 from inventory.tasks import reconcile_sales_task
 from tests.conftest import start_shop, wait_until
 
@@ -29,9 +29,9 @@ def _lua_sale_short_in_redis(sku: str) -> Item:
     for n in range(3):
         place_order(sku=sku, qty=1, buyer=f"b{n}")
     item = Item.objects.get(sku=sku)
-    levels = plumbing.counter().get_many(keys.rows(item))
+    levels = counter().get_many(keys.stripe_counters(item))
     index = next(i for i, level in enumerate(levels) if (level or 0) >= 2)
-    plumbing.counter().take(keys.rows(item)[index], 2)
+    counter().take(keys.stripe_counter(item, index), 2)
     audit = audit_sale(sku)
     assert (audit["db_stock"], audit["redis_stock"], audit["consistent"]) == (17, 15, False)
     assert audit["repairs"] == []

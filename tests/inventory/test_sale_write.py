@@ -14,14 +14,15 @@ from django.db.models.signals import post_init
 from django.test.utils import CaptureQueriesContext
 
 import inventory.services
-from inventory import publishing, stock
+from inventory import publishing, sale_values, stock
 from inventory.exceptions import Busy
 from inventory.models import BuyerAllowance, Item, Order, OrderStatus, PaymentAttempt, StockShard
 from inventory.redis_client import get_redis_client
+from inventory.sale_statement import SaleRecorder, sell
+from inventory.sale_values import Allocation
 from inventory.selectors import audit_sale
 from inventory.services import place_order, start_sale
 from inventory.strategies import get_strategy
-from inventory.strategies.base import Allocation
 from inventory.tasks import dispatch_orders_task, settle_orders_task
 from loadtest.flood import flood
 from shop.processes.servers import PROJECT_DIR as ROOT
@@ -47,7 +48,7 @@ def test_a_write_refused_part_way_changes_nothing():
     before = _rows("split")
 
     # When one statement asks for a unit from each (shard 0 passes its guard, shard 1 fails)
-    with pytest.raises(stock.HalfDone):
+    with pytest.raises(sale_values.HalfDone):
         _sell(item, 2, "b", Allocation("optimistic", shard_units={0: 1, 1: 1}))
 
     # Then PostgreSQL undid shard 0's decrement too: nothing changed, no order
@@ -87,7 +88,7 @@ def test_a_fenced_sale_is_refused_once_its_row_accepted_a_later_lock_holder():
     before = _rows("fenced")
 
     # When a holder with an older fence (its lock expired under it) writes: nothing changes
-    with pytest.raises(stock.Fenced):
+    with pytest.raises(sale_values.Fenced):
         _sell(item, 1, "paused", Allocation("lock", fence=99))
     assert _rows("fenced") == before and Item.objects.get(pk=item.pk).fence == 100
 
@@ -115,7 +116,7 @@ def test_each_stock_row_checks_the_fence_of_its_own_lock():
     assert _sell(item, 1, "b", Allocation("segmented", shard_units={1: 1}, shard_fences={1: 7}))
     # a sale from two rows is refused whole when one of them refuses its fence
     both = Allocation("segmented", shard_units={0: 1, 1: 1}, shard_fences={0: 51, 1: 6})
-    with pytest.raises(stock.HalfDone):
+    with pytest.raises(sale_values.HalfDone):
         _sell(item, 2, "c", both)
     fences = dict(StockShard.objects.filter(sale=item.current_sale).values_list("index", "fence"))
     assert (fences[0], fences[1], fences[2]) == (50, 7, 0)
@@ -128,14 +129,14 @@ def test_a_prepared_sale_decides_when_it_runs_not_when_it_was_prepared():
     # before its lock, the way `lock` prepares it, with no fence yet
     start_sale(sku="prepared", stock=2, strategy="lock")
     item = Item.objects.get(sku="prepared")
-    recorder = stock.SaleRecorder(item=item, qty=2, buyer="waiter")
+    recorder = SaleRecorder(item=item, qty=2, buyer="waiter")
     with recorder.prepare(Allocation("lock")) as write:
         # When, while it waits for the lock, another holder with a later fence sells one unit
         assert _sell(item, 1, "first", Allocation("lock", fence=8)) is not None
         before = _rows("prepared")
         # Then run with its own lock's fence, older than the row's, it is refused as fenced,
         # and nothing changes
-        with pytest.raises(stock.Fenced):
+        with pytest.raises(sale_values.Fenced):
             write(fence=7)
         assert _rows("prepared") == before
 
@@ -145,7 +146,7 @@ def test_a_prepared_sale_decides_when_it_runs_not_when_it_was_prepared():
         assert write(fence=9) is None
     assert _rows("prepared") == before
     # And one unit, prepared before and run after the stock changed, sells with its fence
-    one = stock.SaleRecorder(item=item, qty=1, buyer="last")
+    one = SaleRecorder(item=item, qty=1, buyer="last")
     with one.prepare(Allocation("lock")) as write:
         sold = write(fence=10)
     assert sold is not None and sold.item_stock == 0
@@ -159,7 +160,7 @@ def test_a_prepared_sale_that_never_runs_writes_nothing_and_closes_its_cursor():
     start_sale(sku="unrun", stock=3, strategy="lock")
     item = Item.objects.get(sku="unrun")
     before = _rows("unrun")
-    recorder = stock.SaleRecorder(item=item, qty=1, buyer="gave-up")
+    recorder = SaleRecorder(item=item, qty=1, buyer="gave-up")
 
     # (a lock wait that ran out: the checkout is answered busy before its write)
     with pytest.raises(Busy), recorder.prepare(Allocation("lock")) as write:
@@ -169,7 +170,7 @@ def test_a_prepared_sale_that_never_runs_writes_nothing_and_closes_its_cursor():
     # a sale from stock rows takes no item fence, prepared or not
     start_sale(sku="unrun-rows", stock=20, strategy="segmented")
     rows = Item.objects.get(sku="unrun-rows")
-    shard_sale = stock.SaleRecorder(item=rows, qty=1, buyer="x")
+    shard_sale = SaleRecorder(item=rows, qty=1, buyer="x")
     with shard_sale.prepare(Allocation("segmented", shard_units={0: 1})) as write:
         with pytest.raises(ValueError, match="no item fence"):
             write(fence=3)
@@ -256,7 +257,7 @@ def test_a_checkout_for_a_restarted_sale_takes_nothing_from_the_new_one():
     start_sale(sku="again", stock=5, strategy="optimistic")
 
     # When its sale statement runs
-    with pytest.raises(stock.SaleRestarted):
+    with pytest.raises(sale_values.SaleRestarted):
         _sell(stale, 1, "b", Allocation("optimistic"))
 
     # Then it is refused: no unit of the new sale goes to an order of the old one
@@ -266,7 +267,7 @@ def test_a_checkout_for_a_restarted_sale_takes_nothing_from_the_new_one():
 
 def _sell(item, qty, buyer, allocation, *, limit=None):
     """The sale statement, as a strategy's recorder runs it."""
-    return stock.sell(stock.SaleRecorder(item=item, qty=qty, buyer=buyer, limit=limit), allocation)
+    return sell(SaleRecorder(item=item, qty=qty, buyer=buyer, limit=limit), allocation)
 
 
 def test_forty_orders_go_to_the_broker_as_one_message_settled_as_one_batch(monkeypatch, settings):

@@ -17,7 +17,8 @@ from inventory.models import Item, Order, OrderStatus
 from inventory.orders import give_back_to_redis, reconcile_sale
 from inventory.selectors import audit_sale
 from inventory.services import place_order, start_sale
-from inventory.strategies import plumbing, segmented
+from inventory.strategies import segmented
+from inventory.strategies.counters import counter
 from loadtest.flood import flood
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -51,7 +52,7 @@ def test_lua_counters_set_too_high_are_refused_by_the_database():
     sku = f"too-high-{uuid.uuid4().hex[:6]}"
     start_sale(sku=sku, stock=20, strategy="lua")
     item = Item.objects.get(sku=sku)
-    plumbing.write_rows(item, {index: 1000 for index in range(item.shard_count)})
+    counter().set_many({name: 1000 for name in keys.stripe_counters(item)})
 
     # When 16 threads buy one unit each until they are told sold out
     def buyer(number: int) -> int:
@@ -128,6 +129,6 @@ def test_a_shard_hint_copied_late_never_undoes_a_give_back_copied_before_it(monk
     # Then shard 3's hint is its row's level, not the second sale's older copy
     item = Item.objects.get(sku=sku)
     assert stock.shard_stocks(item.current_sale_id)[3] == 1
-    assert plumbing.counter().get(keys.row(item, 3)) == 1
+    assert counter().get(keys.shard_hint(item, 3)) == 1
     audit = audit_sale(sku)
     assert audit["consistent"] and audit["redis_stock"] == audit["db_stock"] == 19, audit

@@ -141,7 +141,7 @@ def test_a_tiny_run_prints_every_contender_and_no_safe_one_oversells(django_db_s
 def test_a_peer_row_builds_the_peers_lock_through_the_strategies_seam(settings, peer):
     from django.utils.module_loading import import_string
 
-    from inventory.strategies import plumbing
+    from inventory.strategies import locks
     from loadtest import peer_locks
 
     expected = {
@@ -152,11 +152,11 @@ def test_a_peer_row_builds_the_peers_lock_through_the_strategies_seam(settings, 
     }[peer]
     assert import_string(PEERS[peer].factory)  # the path resolves
     settings.FLASHSALE_LOCK_FACTORY = PEERS[peer].factory
-    lock = plumbing.new_lock("bench-seam-test", strategy="lock", peers=True)
+    lock = locks.new_lock("bench-seam-test", strategy="lock", peers=True)
     assert type(lock) is expected and lock.name == "bench-seam-test"
     settings.FLASHSALE_LOCK_FACTORY = "locking.Lock"
     assert (
-        type(plumbing.new_lock("bench-seam-test", strategy="lock", peers=True)).__module__
+        type(locks.new_lock("bench-seam-test", strategy="lock", peers=True)).__module__
         == "locking.lock"
     )
 

@@ -19,11 +19,11 @@ from django.test import Client
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from inventory import keys, stock
+from inventory import keys, sale_statement
 from inventory.models import Item, Order, OrderStatus
 from inventory.redis_client import get_redis_client
+from inventory.sale_values import Allocation
 from inventory.services import place_order, start_sale
-from inventory.strategies.base import Allocation
 from inventory.tasks import give_back_task
 from shop.processes.ports import free_port
 from shop.processes.servers import PROJECT_DIR as ROOT
@@ -383,8 +383,8 @@ def test_units_oversold_show_per_item_on_sale(settings):
     start_sale(sku="fine", stock=2, strategy="lock")
     item = Item.objects.get(sku="oversold")
     for buyer in ("a", "b", "c"):
-        stock.sell(
-            stock.SaleRecorder(item=item, qty=1, buyer=buyer),
+        sale_statement.sell(
+            sale_statement.SaleRecorder(item=item, qty=1, buyer=buyer),
             Allocation("unsafe", set_stock=1),
         )
 

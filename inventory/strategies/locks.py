@@ -1,15 +1,11 @@
-"""Redis plumbing the strategies share: their locks, and the counters that mirror a sale's
-stock rows. Every key comes from `inventory.keys`.
+"""The strategies' Redis locks (`lock`'s item lock, `segmented`'s shard locks): built from
+settings, taken within the checkout's deadline, given up without undoing a committed order, and
+counted in the metrics by strategy.
 
-Locks (`lock`, `segmented`): built from settings by `new_lock`, taken with `acquire_lock` (which
-remembers a lock a Redis failure left in doubt, released on recovery) and given up with
-`release_quietly`; `lock_wait_seconds` tells the API how long a checkout waited for them.
-
-Counters (`segmented`, `lua`): one per stock row of the current sale, what Redis believes the
-row holds. `segmented` keeps them as hints, copied from the database with the row's version
-(`write_hints`: the lock holder after each commit, a give-back or restock after its commit; a
-copy never replaces a later one, whatever order they arrive in); `lua` decides with them (its
-script takes units from them before the database write, a give-back adds them back).
+`acquire_lock` remembers a lock a Redis failure left in doubt (released on recovery,
+`inventory.breaker`); `release_quietly` absorbs what fails after the commit;
+`lock_wait_seconds` tells the API how long a checkout waited. The lock itself is
+`locking.Lock` (or, for the benchmark's peer rows, FLASHSALE_LOCK_FACTORY's).
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ import logging
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from contextvars import ContextVar
 from functools import lru_cache
 from typing import Any
@@ -26,22 +22,16 @@ from typing import Any
 from django.conf import settings
 from django.utils.module_loading import import_string
 
-from locking import Lock, LockNotOwnedError, QuorumLock, StockCounter
+from locking import Lock, LockNotOwnedError, QuorumLock
 from locking import watchdog as lock_watchdog
-from locking.cluster import by_slot, is_cluster
 
 from .. import deadline, keys, metrics
 from ..breaker import breaker, remember_unsettled
 from ..exceptions import LockLost
 from ..fences import next_fence
-from ..models import Item, Order
 from ..redis_client import REDIS_DOWN_ERRORS, get_lock_clients, get_redis_client
-from ..stock import StockRow, shard_rows, shard_stocks
 
 logger = logging.getLogger(__name__)
-
-
-# -- locks ----------------------------------------------------------------------------------
 
 
 #: The strategy and grant time of each lock this process holds or made (for its metrics).
@@ -179,105 +169,3 @@ def _record_hold(lock: Lock) -> None:
     if held_since is not None:
         hold = time.perf_counter() - held_since
         metrics.LOCK_HOLD.labels(_lock_strategy.get(lock, "none")).observe(hold)
-
-
-# -- stock-row counters ---------------------------------------------------------------------
-
-
-def counter() -> StockCounter:
-    return _counter(get_redis_client())
-
-
-@lru_cache(maxsize=16)
-def _counter(client: object) -> StockCounter:
-    # One per client: building one registers its scripts.
-    return StockCounter(client)
-
-
-def write_rows(item: Item, levels: dict[int, int]) -> list[int]:
-    """Set the counters of the rows in `levels`; return every row's level (0 where not given)."""
-    counter().set_many({keys.row(item, index): units for index, units in levels.items()})
-    return [levels.get(index, 0) for index in range(item.shard_count)]
-
-
-def sync_rows(item: Item) -> list[int]:
-    """Set every row's counter from the database."""
-    return write_rows(item, shard_stocks(item.current_sale_id))
-
-
-def write_hints(
-    item: Item, rows: dict[int, StockRow], *, create: bool = True, force: bool = False
-) -> list[int]:
-    """Copy the rows' levels read from the database to their counters, unless a counter holds
-    a later version of its row already (see `StockCounter.set_newer`); return every row's
-    level as given (0 where not given)."""
-    counter().set_newer(
-        {keys.row(item, index): (row.stock, row.version) for index, row in rows.items()},
-        create=create,
-        force=force,
-    )
-    return [rows[index].stock if index in rows else 0 for index in range(item.shard_count)]
-
-
-def release_with_hints(item: Item, locks: dict[int, Lock], rows: dict[int, StockRow]) -> None:
-    """Release each shard's lock (`release_quietly`), its hint copied from `rows` (the levels
-    its holder's statement returned) in the same call to Redis where the lock is ours and on
-    the hint's slot: one round trip per shard instead of two, and the next holder finds the
-    hint current. Hints of shards not locked here, or behind another kind of lock, are written
-    on their own first."""
-    alone: dict[int, StockRow] = {}
-    paired: dict[int, tuple[str, list[Any], list[Any]]] = {}
-    for index, row in rows.items():
-        lock = locks.get(index)
-        hint = keys.row(item, index)
-        if not isinstance(lock, Lock) or (
-            is_cluster(get_redis_client()) and len(by_slot([hint, lock.name], str)) > 1
-        ):
-            alone[index] = row
-            continue
-        paired[index] = counter().set_newer_call({hint: (row.stock, row.version)})
-    if alone:
-        try:
-            write_hints(item, alone)
-        except REDIS_DOWN_ERRORS as exc:
-            breaker.record_failure(exc)
-            logger.warning("could not update %s shard hints: Redis is down", item.sku)
-    for index, lock in locks.items():
-        release_quietly(lock, after=paired.get(index))
-
-
-def refresh_hints(
-    item: Item,
-    indexes: Iterable[int] | None = None,
-    *,
-    create: bool = True,
-    force: bool = False,
-) -> list[int]:
-    """`write_hints` from the rows as the database holds them now (those in `indexes`)."""
-    return write_hints(item, shard_rows(item.current_sale_id, indexes), create=create, force=force)
-
-
-def add_to_rows(item: Item, units: dict[int, int]) -> None:
-    """Raise the counters of the rows in `units` by that many (a restock; missing counters stay
-    missing: they are seeded from the database, which has the units already)."""
-    amounts = {keys.row(item, index): added for index, added in units.items() if added}
-    if amounts:
-        counter().give_back_many(amounts)
-
-
-def give_back_rows(item: Item, order: Order) -> None:
-    """Add a failed or expired order's units back to the counters it took them from, once."""
-    amounts = {
-        keys.row(item, int(index)): units for index, units in (order.shard_units or {}).items()
-    }
-    if amounts:
-        counter().give_back_once(keys.returned_marker(item, order.pk), amounts)
-
-
-def rows_total(item: Item) -> int | None:
-    """Units the counters hold together; None when a counter is missing."""
-    if not item.shard_count:
-        return None
-    levels = counter().get_many(keys.rows(item))
-    held = [level for level in levels if level is not None]
-    return sum(held) if len(held) == len(levels) else None

@@ -1,0 +1,32 @@
+"""The Redis counters that mirror a sale's stock rows, one per row: `lua`'s stripe counters,
+which it decides by, and `segmented`'s shard hints, copies of each row's level and version.
+Each strategy names its own keys (`inventory.keys`) and keeps its counters true itself.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from locking import StockCounter
+
+from ..redis_client import get_redis_client
+
+
+def counter() -> StockCounter:
+    """The stock counter of the shop's Redis client (`locking.StockCounter`: its scripts)."""
+    return _counter(get_redis_client())
+
+
+@lru_cache(maxsize=16)
+def _counter(client: object) -> StockCounter:
+    # One per client: building one registers its scripts.
+    return StockCounter(client)
+
+
+def total(names: list[str]) -> int | None:
+    """Units the counters named hold together; None when one is missing."""
+    if not names:
+        return None
+    levels = counter().get_many(names)
+    held = [level for level in levels if level is not None]
+    return sum(held) if len(held) == len(levels) else None
