@@ -202,6 +202,7 @@ def _wait_for_stock_at_most(sku: str, units: int, timeout: float) -> bool:
     )
 
 
+@pytest.mark.slow  # a fault matrix: with the other failovers, in the slow step
 @pytest.mark.parametrize("strategy", ["lock", "segmented", "lua"])
 def test_a_master_killed_mid_sale_fails_over_and_nothing_is_oversold_or_lost(
     cluster, cluster_shop, strategy
