@@ -337,18 +337,26 @@ def sweep_orders(*, now=None, batch: int = 1000) -> SweepReport:
     return report
 
 
+class RepairInProgress(Exception):
+    """Another process is repairing this sale at this moment (`reconcile_sale`)."""
+
+
 def reconcile_sale(sku: str, *, cause: str = SaleRepair.Cause.COMMAND) -> list[str]:
     """Recompute what is left from the orders; repair the stock rows or item row, and Redis.
 
     For an item sold from stock rows, also folds their total into the item row's stock.
     Returns one line per change made (empty when everything already agreed); a repair that
     changed anything is recorded (`SaleRepair`, with `cause`), which the audit lists.
+    RepairInProgress if another process is repairing the sale right now: one repair of a sale
+    at a time, or two (web processes starting together, the reconciler beside a breaker
+    closing) would each find Redis short and each record the same repair. The other is not
+    waited for: a repair that waits could wait on one stuck in a stalled dependency.
     """
-    # One repair of a sale at a time, across processes: two (web processes starting together,
-    # the reconciler beside a breaker closing) would each find Redis short and each record the
-    # same repair. A session-level advisory lock, as Redis is repaired after the commit.
+    # A session-level advisory lock, as Redis is repaired after the commit.
     with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", [RECONCILE_LOCK, sku])
+        cursor.execute("SELECT pg_try_advisory_lock(%s, hashtext(%s))", [RECONCILE_LOCK, sku])
+        if not cursor.fetchone()[0]:
+            raise RepairInProgress(f"{sku}: another process is repairing this sale right now")
         try:
             changes = _reconcile(sku)
             if changes:

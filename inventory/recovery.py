@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from contextlib import suppress
 from datetime import timedelta
 
 from django.db import connections
@@ -16,7 +17,7 @@ from django.utils import timezone
 
 from .breaker import redis_recovery, release_unsettled_locks
 from .models import Item, Order, SaleRepair
-from .orders import reconcile_sale
+from .orders import RepairInProgress, reconcile_sale
 from .strategies import get_strategy
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,8 @@ def rebuild_redis_state() -> None:
     """Repair every current sale against the database (recording what was wrong), then set
     its Redis counters and hints from the database."""
     for item in Item.objects.exclude(current_sale=None):
-        reconcile_sale(item.sku, cause=SaleRepair.Cause.REDIS_BACK)
+        with suppress(RepairInProgress):  # another process repairs it now
+            reconcile_sale(item.sku, cause=SaleRepair.Cause.REDIS_BACK)
         get_strategy(item.strategy).sync_redis(item=item)
 
 
@@ -46,7 +48,8 @@ def repair_recent_sales() -> list[str]:
     )
     changes: list[str] = []
     for sku in skus:
-        changes += reconcile_sale(sku, cause=SaleRepair.Cause.PROCESS_START)
+        with suppress(RepairInProgress):  # another process, starting too, repairs it now
+            changes += reconcile_sale(sku, cause=SaleRepair.Cause.PROCESS_START)
     return changes
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import suppress
 from typing import Any, TypedDict
 
 from celery import shared_task
@@ -84,5 +85,6 @@ def sweep_orders_task() -> SweptCount:
 def reconcile_sales_task() -> list[str]:
     changes: list[str] = []
     for sku in Item.objects.exclude(current_sale=None).values_list("sku", flat=True):
-        changes.extend(orders.reconcile_sale(sku, cause=SaleRepair.Cause.RECONCILER))
+        with suppress(orders.RepairInProgress):  # another process repairs it now
+            changes.extend(orders.reconcile_sale(sku, cause=SaleRepair.Cause.RECONCILER))
     return changes

@@ -265,7 +265,7 @@ def _sale_through(shop: Shop, fault: str, strategy: str, keyed: bool) -> None:
     while not audit["consistent"] and time.monotonic() < deadline:
         time.sleep(0.5)
         audit = shop.audit(sku)
-    assert audit["consistent"], audit
+    assert audit["consistent"], json.dumps(audit, default=str)  # whole, not cut short
     # and /healthz answered within 2 s throughout (a request that the killed web worker was
     # serving dies with it)
     assert health.answered > 0

@@ -6,18 +6,20 @@ from __future__ import annotations
 
 import io
 
+import psycopg
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from inventory import keys
 from inventory.breaker import breaker
 from inventory.models import Item
+from inventory.orders import RECONCILE_LOCK
 from inventory.selectors import audit_sale
 from inventory.services import place_order, start_sale
 from inventory.strategies.counters import counter
 from inventory.tasks import reconcile_sales_task
-from tests.conftest import start_shop, wait_until
+from tests.conftest import start_shop, test_database_url, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -89,3 +91,29 @@ def test_the_reconciler_s_repairs_are_listed_too_and_a_pass_with_nothing_to_do_i
     call_command("sale", "audit", "reconciled", stdout=out)
     line = next(line for line in out.getvalue().splitlines() if line.startswith("repairs"))
     assert "(reconciler): reconciled: Redis stock 15 -> 17" in line, line
+
+
+def test_a_repair_under_way_elsewhere_is_neither_waited_for_nor_done_twice():
+    # Given a sale Redis is short of, which another process is repairing at this moment (it
+    # holds the sale's repair lock, as a repair stuck on a stalled dependency would)
+    _lua_sale_short_in_redis("repair-elsewhere")
+    other = psycopg.connect(test_database_url(), autocommit=True)
+    try:
+        other.execute(
+            "SELECT pg_advisory_lock(%s, hashtext(%s))", [RECONCILE_LOCK, "repair-elsewhere"]
+        )
+
+        # When this process's reconciler, and an operator, repair it too
+        # Then neither waits: the reconciler leaves it to the other, and the command says so
+        assert reconcile_sales_task() == []
+        with pytest.raises(CommandError, match="another process is repairing this sale"):
+            call_command("sale", "reconcile", "repair-elsewhere", stdout=io.StringIO())
+        audit = audit_sale("repair-elsewhere")
+        assert (audit["redis_stock"], audit["repairs"]) == (15, [])
+    finally:
+        other.close()
+
+    # and once the other is done, the next pass repairs it, once
+    assert reconcile_sales_task() == ["repair-elsewhere: Redis stock 15 -> 17"]
+    audit = audit_sale("repair-elsewhere")
+    assert audit["consistent"] and len(audit["repairs"]) == 1, audit

@@ -106,7 +106,10 @@ class Command(BaseCommand):
 
     def _reconcile(self, options: dict) -> None:
         selectors.get_item(options["sku"])  # unknown sku: a clear error, not a traceback
-        changes = orders.reconcile_sale(options["sku"])
+        try:
+            changes = orders.reconcile_sale(options["sku"])
+        except orders.RepairInProgress as exc:
+            raise CommandError(f"{exc}: run it again in a moment") from exc
         for change in changes:
             self.stdout.write(change)
         if not changes:
