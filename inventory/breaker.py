@@ -35,16 +35,21 @@ class CircuitBreaker:
         probe_seconds: Callable[[], float],
         probe: Callable[[], None] | None = None,
         probe_errors: tuple[type[BaseException], ...] = (),
+        watch: bool = True,
     ) -> None:
+        """watch: with a probe, probe every `probe_seconds` while open, callers or none (off:
+        only a caller whose wait is over, or `probe_soon`, starts one)."""
         self.name = name
         #: Its `breaker` label in the metrics.
         self.metric = metric
         self._probe_seconds = probe_seconds
         self._probe = probe
         self._probe_errors = probe_errors
+        self._watches = watch
         self._trial_lock = threading.Lock()
         self._retry_at: float | None = None
         self._prober: threading.Thread | None = None
+        self._watcher: threading.Thread | None = None
         self.opened_count = 0
         # A child forked while this process's probe ran must not inherit its lock held.
         os.register_at_fork(after_in_child=self._forget_trial)
@@ -52,6 +57,7 @@ class CircuitBreaker:
     def _forget_trial(self) -> None:
         self._trial_lock = threading.Lock()
         self._prober = None
+        self._watcher = None
 
     @property
     def is_open(self) -> bool:
@@ -59,11 +65,33 @@ class CircuitBreaker:
 
     def record_failure(self, exc: BaseException) -> None:
         """The dependency failed: open (or keep open) and try again after the interval."""
-        if self._retry_at is None:
+        opening = self._retry_at is None
+        self._retry_at = time.monotonic() + self._probe_seconds()
+        if opening:
             self.opened_count += 1
             metrics.BREAKER_OPEN.labels(self.metric).set(1)
             logger.warning("%s unreachable (%s): breaker open", self.name, exc)
-        self._retry_at = time.monotonic() + self._probe_seconds()
+            self._watch()
+
+    def _watch(self) -> None:
+        """With a probe, keep probing every `probe_seconds` until the breaker closes, calls or
+        none: a process that serves nothing more after an outage (the crowd gone, its share of
+        the traffic sent elsewhere) still closes its breaker and repairs what the outage left
+        wrong, rather than when its next request comes."""
+        if not self._watches or self._probe is None:
+            return
+        if self._watcher is not None and self._watcher.is_alive():
+            return
+
+        def run() -> None:
+            while self._retry_at is not None:
+                time.sleep(self._probe_seconds())
+                self.probe_soon()
+
+        self._watcher = threading.Thread(
+            target=run, name=f"{self.metric}-breaker-watch", daemon=True
+        )
+        self._watcher.start()
 
     def record_success(self) -> None:
         if self._retry_at is not None:

@@ -14,14 +14,34 @@ from inventory.redis_client import REDIS_DOWN_ERRORS
 from tests.conftest import wait_until
 
 
-def _breaker(probe, probe_seconds: float = 0.0) -> CircuitBreaker:
+def _breaker(probe, probe_seconds: float = 0.0, *, watch: bool = False) -> CircuitBreaker:
+    """A breaker whose probes only callers start, unless `watch`: the tests count them."""
     return CircuitBreaker(
         "Test dependency",
         metric="test",
         probe_seconds=lambda: probe_seconds,
         probe=probe,
         probe_errors=REDIS_DOWN_ERRORS,
+        watch=watch,
     )
+
+
+def test_an_open_breaker_probes_and_closes_with_no_caller_at_all():
+    # Given a breaker opened by a failure, whose first probe fails and second succeeds
+    outcomes = [ConnectionError("still down"), None]
+
+    def probe() -> None:
+        outcome = outcomes.pop(0)
+        if outcome is not None:
+            raise outcome
+
+    breaker = _breaker(probe, probe_seconds=0.05, watch=True)
+    breaker.record_failure(ConnectionError("down"))
+
+    # When nothing calls it (the process serves no request after the outage)
+    # Then it probes on its own until a probe succeeds, and closes
+    assert wait_until(lambda: not breaker.is_open, timeout=10)
+    assert outcomes == []
 
 
 def test_a_due_probe_runs_in_a_thread_while_callers_are_told_no():

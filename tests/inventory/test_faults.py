@@ -66,6 +66,16 @@ class Shop:
         assert done.returncode == 0, done.stderr[-3000:]
         return done.stdout
 
+    def sessions(self) -> list[tuple]:
+        """What each of the database's sessions is doing (to tell a repair held up, when one
+        does not come)."""
+        with psycopg.connect(self.postgres.url.replace("postgres://", "postgresql://")) as db:
+            return db.execute(
+                "SELECT application_name, state, wait_event_type, wait_event,"
+                " now() - xact_start, left(query, 120) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            ).fetchall()
+
     def audit(self, sku: str) -> dict:
         return json.loads(self.manage("sale", "audit", sku, "--json"))
 
@@ -265,7 +275,7 @@ def _sale_through(shop: Shop, fault: str, strategy: str, keyed: bool) -> None:
     while not audit["consistent"] and time.monotonic() < deadline:
         time.sleep(0.5)
         audit = shop.audit(sku)
-    assert audit["consistent"], json.dumps(audit, default=str)  # whole, not cut short
+    assert audit["consistent"], f"{json.dumps(audit, default=str)}\n{shop.sessions()}"
     # and /healthz answered within 2 s throughout (a request that the killed web worker was
     # serving dies with it)
     assert health.answered > 0
