@@ -1,10 +1,10 @@
 """Per-process circuit breakers: one in front of Redis, one in front of the Celery broker.
 
 Closed: calls go through. The first connection error or timeout opens the breaker: callers skip
-the dependency (and its timeout) at once. Every `probe_seconds` one caller gets to try again:
-with a `probe`, the breaker runs it in a thread of its own (the caller skips as before, so no
-request waits on a dependency that may hang) and closes only if it succeeds; without one, the
-caller's own call is the trial and it reports back with `record_success` / `record_failure`.
+the dependency (and its timeout) at once. Every `probe_seconds` it tries again: with a `probe`,
+the breaker runs it in a thread of its own (no request waits on a dependency that may hang),
+whether calls come or not, and closes only if it succeeds; without one, the first caller after
+the wait is the trial and reports back with `record_success` / `record_failure`.
 """
 
 from __future__ import annotations
