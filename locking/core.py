@@ -37,7 +37,42 @@ class _Holding(threading.local):
     fence: int | None = None
 
 
-class LockCore:
+class ContextManaged:
+    """`with lock:` as redis-py's: acquire (LockError if not within the time given), release
+    on the way out, a release that finds the lock gone raising only if
+    `raise_on_release_error`. For the classes here that have `acquire`, `release`, `name`."""
+
+    name: str
+    raise_on_release_error: bool
+
+    def acquire(self) -> bool:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        if self.acquire():
+            return self
+        raise LockError("Unable to acquire lock within the time specified", lock_name=self.name)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        try:
+            self.release()
+        except LockError:
+            if self.raise_on_release_error:
+                raise
+            logger.warning(
+                "Lock %r was no longer owned when exiting the context manager", self.name
+            )
+
+
+class LockCore(ContextManaged):
     """A distributed lock stored in Redis under ``name``; API of :class:`redis.lock.Lock`.
 
     Contract:
@@ -94,28 +129,6 @@ class LockCore:
         self.local: Any = _Holding() if self.thread_local else SimpleNamespace()
         self.local.token = None
         self.local.fence = None
-
-    # -- context manager -------------------------------------------------------------
-
-    def __enter__(self) -> Self:
-        if self.acquire():
-            return self
-        raise LockError("Unable to acquire lock within the time specified", lock_name=self.name)
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        try:
-            self.release()
-        except LockError:
-            if self.raise_on_release_error:
-                raise
-            logger.warning(
-                "Lock %r was no longer owned when exiting the context manager", self.name
-            )
 
     # -- acquisition -----------------------------------------------------------------
 

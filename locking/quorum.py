@@ -10,12 +10,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from types import SimpleNamespace, TracebackType
+from types import SimpleNamespace
 from typing import Any, Literal
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import LockError, LockNotOwnedError, RedisError
 
+from .core import ContextManaged
 from .scripts import lock as lock_scripts
 from .scripts import script_for
 
@@ -55,7 +56,7 @@ class ProcessFences:
             return next(self._next)
 
 
-class QuorumLock:
+class QuorumLock(ContextManaged):
     """A lock held on a majority of N independent Redis masters; API of :class:`locking.Lock`.
 
     Contract:
@@ -136,25 +137,6 @@ class QuorumLock:
         )
         self._release = [script_for(client, lock_scripts.RELEASE) for client in self.clients]
         self._renew = [script_for(client, _RENEW) for client in self.clients]
-
-    # -- context manager -------------------------------------------------------------
-
-    def __enter__(self) -> QuorumLock:
-        if self.acquire():
-            return self
-        raise LockError("Unable to acquire lock within the time specified", lock_name=self.name)
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        try:
-            self.release()
-        except LockError:
-            if self.raise_on_release_error:
-                raise
 
     # -- acquisition -----------------------------------------------------------------
 
