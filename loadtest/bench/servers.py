@@ -48,9 +48,11 @@ class Design:
 #: last commit that had it): the figure to beat, not a candidate. `sync`: gunicorn's sync
 #: workers, a script and a commit per checkout. `commit-delay`: the same with PostgreSQL's group
 #: commit (a commit waits for others to flush the WAL with it). `gthread`: gunicorn's threads
-#: and the in-process batcher. `granian`: granian's WSGI workers and the batcher, the shop's
-#: server. The designs measured once and not kept (uvicorn's ASGI workers batching on each event
-#: loop; granian with a script and a commit per checkout) are in commit 54ddf64.
+#: and the in-process batcher. `granian`: granian's WSGI workers and the batcher, 4 workers of 4
+#: threads; `granian-2x8` and `granian-1x16` the same server with fewer, wider workers (a batch
+#: gathers the checkouts of one worker's threads). The designs measured once and not kept
+#: (uvicorn's ASGI workers batching on each event loop; granian with a script and a commit per
+#: checkout) are in commit 54ddf64.
 DESIGNS = {
     design.name: design
     for design in (
@@ -67,11 +69,21 @@ DESIGNS = {
         Design(
             "granian", ("--server", "granian", "--server-workers", "4", "--server-threads", "4")
         ),
+        Design(
+            "granian-2x8",
+            ("--server", "granian", "--server-workers", "2", "--server-threads", "8"),
+        ),
+        Design(
+            "granian-1x16",
+            ("--server", "granian", "--server-workers", "1", "--server-threads", "16"),
+        ),
     )
 }
 #: The parts of `loadtest.cpu` that are the shop's own (the crowd and the rest of the host are
 #: not): what a unit costs the shop.
 SHOP_PARTS = ("server", "writer", "worker", "postgres", "redis")
+#: The no-op run every batch starts with: the same crowd against a view that does nothing.
+BASELINE = "baseline"
 
 
 @dataclass
@@ -150,12 +162,14 @@ def _run_batch(
     database_url = sandbox.environment(os.environ)["DATABASE_URL"]
     for run in runs:
         name = run["strategy"]
-        if name not in strategies:
+        if name not in strategies and name != BASELINE:
             continue
-        cpu = ((run.get("audit") or {}).get("cpu") or {}).get("per_unit_ms") or {}
+        cpu_figures = (run.get("audit") or {}).get("cpu") or {}
+        cpu = cpu_figures.get("per_request_ms" if name == BASELINE else "per_unit_ms") or {}
         p50, p99, p999 = _percentiles(out / f"{name}_stats.csv")
         figures[name] = Figures(
-            units_per_second=run.get("goodput"),
+            # The baseline sells nothing: its rate is requests/s, its CPU per request.
+            units_per_second=run.get("requests_per_second" if name == BASELINE else "goodput"),
             p50_ms=p50,
             p99_ms=p99,
             p999_ms=p999,
@@ -189,8 +203,11 @@ def _print(results: dict[str, dict[str, list[Figures]]], strategies: list[str]) 
         f"{'server':>8}{'writer':>8}{'worker':>8}{'pg':>7}{'redis':>7}{'shop':>7}"
         f"{'crowd':>7}{'other':>7}{'per commit':>11}  rounds (units/s)"
     )
-    for strategy in strategies:
-        print(f"\n{strategy}: medians over the rounds; latency in ms, CPU in ms per unit")
+    for strategy in (BASELINE, *strategies):
+        if strategy == BASELINE:
+            print(f"\n{BASELINE}: medians over the rounds; requests/s, CPU in ms per request")
+        else:
+            print(f"\n{strategy}: medians over the rounds; latency in ms, CPU in ms per unit")
         print(header)
         print("-" * len(header))
         for design, by_strategy in results.items():
@@ -218,6 +235,8 @@ def _print(results: dict[str, dict[str, list[Figures]]], strategies: list[str]) 
                 + " ".join(_cell(f.units_per_second) for f in rounds)
                 + "".join(f"  [{f.error[:60]}]" for f in rounds if f.error)
             )
+        if strategy != BASELINE:
+            _print_against_baseline(results, strategy)
         candidates = {
             design: _median([f.units_per_second for f in by_strategy.get(strategy, [])])
             for design, by_strategy in results.items()
@@ -244,13 +263,40 @@ def _print(results: dict[str, dict[str, list[Figures]]], strategies: list[str]) 
             )
 
 
+def _print_against_baseline(results: dict[str, dict[str, list[Figures]]], strategy: str) -> None:
+    """Each design's units/s against its own baseline's requests/s, round by round."""
+    ratios = []
+    for design, by_strategy in results.items():
+        rounds = [
+            sale.units_per_second / baseline.units_per_second
+            for sale, baseline in zip(
+                by_strategy.get(strategy, []), by_strategy.get(BASELINE, []), strict=False
+            )
+            if sale.units_per_second and baseline.units_per_second
+        ]
+        if rounds:
+            median = statistics.median(rounds)
+            ratios.append(f"{design} {median:.2f}x ({', '.join(f'{r:.2f}' for r in rounds)})")
+    if ratios:
+        print("against the same design's baseline: " + ", ".join(ratios))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="manage.py bench servers", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--designs", default=",".join(DESIGNS))
-    parser.add_argument("--strategies", default="lock,segmented,lua")
-    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--designs",
+        default="",
+        help=f"comma-separated, from: {', '.join(DESIGNS)} (default: all; writer only with "
+        "--writer-tree)",
+    )
+    parser.add_argument(
+        "--strategies", default="lock,segmented,lua", help="comma-separated strategy names"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="each design this many times, in rotating order"
+    )
     parser.add_argument(
         "--writer-tree",
         type=Path,
@@ -259,7 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     options, extra = parser.parse_known_args(argv)
-    designs = [name.strip() for name in options.designs.split(",") if name.strip()]
+    designs = [name.strip() for name in options.designs.split(",") if name.strip()] or [
+        name for name in DESIGNS if name != "writer" or options.writer_tree is not None
+    ]
     unknown = [name for name in designs if name not in DESIGNS]
     if unknown:
         parser.error(f"unknown designs: {', '.join(unknown)}; choose from {', '.join(DESIGNS)}")
