@@ -1,4 +1,5 @@
-"""One wake-up channel for all the lock waiters of a process (`FifoHandOver`'s ``wake_hub``).
+"""One wake-up channel for all the lock waiters of a process, and `HubWoken`, the hand-over
+whose waiters wait through it (`locking.WakeHubLock`).
 
 A waiter with no hub blocks in ``BLPOP`` on a wake key of its own, holding a connection for
 its whole wait: a thousand waiters hold a thousand connections, and with a bounded pool the
@@ -25,6 +26,10 @@ from typing import Any
 import redis
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from .cluster import is_cluster
+from .core import Number
+from .handover import MIN_WAIT, FifoHandOver
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +143,46 @@ class WakeHub:
                 return
             waiter.fence = int(fence)
             waiter.event.set()
+
+
+class HubWoken(FifoHandOver):
+    """The hand-over lock whose waiters wait through their process's :class:`WakeHub`.
+
+    Contract, beside :class:`~locking.handover.FifoHandOver`'s: a waiter registers its token
+    with the hub of ``hub_prefix`` before it queues, and its queue entry names the hub's list,
+    ``<hub_prefix>:<hub id>``: the release pushes the hand-over there and the hub's one
+    connection wakes the waiter in-process. A waiter holds no connection while it waits, so a
+    thousand waiters do not need a thousand connections, and a bounded pool always has one
+    for the holder's release. FIFO order, wait slices and the give-up rules are the same. It
+    needs a single Redis (ValueError on a cluster).
+    """
+
+    # The hub's wait is an in-process event, on time: no wait is slept on the client.
+    sleeps_short_waits = False
+
+    def __init__(self, *args: Any, hub_prefix: str = "locking:wakes", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if is_cluster(self.redis):
+            raise ValueError(
+                "the wake hub needs a single Redis: the hub's one list cannot share the slot "
+                "of every lock a process waits for"
+            )
+        self.hub_prefix = hub_prefix
+
+    def _grant(
+        self, token: bytes, blocking: bool, blocking_timeout: Number | None, sleep: Number
+    ) -> int | None:
+        if not blocking:
+            return super()._grant(token, blocking, blocking_timeout, sleep)  # one take
+        hub = hub_for(self.redis, self.hub_prefix)
+        hub.register(token)  # before queueing: no hand-over can come sooner
+        try:
+            return self._wait_in_turn(token, blocking_timeout, hub.key)
+        finally:
+            hub.unregister(token)
+
+    def _wait_for_handoff(self, token: bytes, seconds: float) -> int | None:
+        return hub_for(self.redis, self.hub_prefix).wait(token, round(max(seconds, MIN_WAIT), 3))
 
 
 _hubs: dict[tuple[int, str], WakeHub] = {}
