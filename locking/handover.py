@@ -210,7 +210,10 @@ class FifoHandOver(LockCore):
             # holding our token, and its fence). The next script will surface a Redis that
             # is gone.
             return None
-        return None if woken is None else int(woken[1])
+        if woken is None:
+            return None
+        _wake_key, fence = woken  # the release pushed the fence it granted us
+        return int(fence)
 
     def _wake_key(self, token: bytes) -> bytes:
         return self._wake_prefix + token

@@ -21,7 +21,7 @@ import os
 import threading
 import uuid
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 from redis.exceptions import RedisError
@@ -39,6 +39,22 @@ DEFAULT_SLICE = 1.0
 MAX_BACKOFF = 1.0
 
 
+class HandOver(NamedTuple):
+    """A wake on a hub's list: the lock went to the waiter holding ``token``, granted with
+    ``fence``. Pushed by another process's release (`scripts.handover.HAND_OVER`) as
+    ``b"<token> <fence>"``; :meth:`parse` reads it."""
+
+    token: bytes
+    fence: int
+
+    @classmethod
+    def parse(cls, message: bytes | str) -> HandOver:
+        """The hand-over a hub popped (str from a client that decodes responses)."""
+        raw = message.encode() if isinstance(message, str) else message
+        token, _, fence = raw.rpartition(b" ")  # a token may hold spaces, a fence never does
+        return cls(token=token, fence=int(fence))
+
+
 class _Waiter:
     __slots__ = ("event", "fence")
 
@@ -51,7 +67,7 @@ class WakeHub:
     """Receives the lock hand-overs of this process's waiters on one list and one connection.
 
     A waiter registers its token with the hub before it queues; its queue entry names the hub's
-    list, so the release that hands it the lock pushes ``<token> <fence>`` there; the hub's
+    list, so the release that hands it the lock pushes a :class:`HandOver` there; the hub's
     thread pops it and sets the waiter's event. Waiting costs a waiter no connection: it uses
     the client's pool only for its short scripts (queueing, renewing its entry after each wait
     slice, withdrawing). A wake the hub misses (its connection dropped with the reply in flight,
@@ -129,19 +145,17 @@ class WakeHub:
                 continue
             backoff = 0.01
             if popped is not None:
-                message = popped[1]
-                # (a client with decode_responses hands back str)
-                self._deliver(message.encode() if isinstance(message, str) else message)
+                _list, message = popped
+                self._deliver(HandOver.parse(message))
 
-    def _deliver(self, message: bytes) -> None:
-        token, _, fence = message.rpartition(b" ")
+    def _deliver(self, hand_over: HandOver) -> None:
         with self._mutex:
-            waiter = self._waiters.get(token)
+            waiter = self._waiters.get(hand_over.token)
             self.delivered += 1
             if waiter is None:
                 # Its waiter gave up (its withdrawal kept a lock handed over just before).
                 return
-            waiter.fence = int(fence)
+            waiter.fence = hand_over.fence
             waiter.event.set()
 
 
