@@ -10,9 +10,9 @@ docs/design.md#the-sale-statement.
 
 from __future__ import annotations
 
-from functools import cache
 from typing import NamedTuple
 
+from .fastpath import built_once_per_shape
 from .models import BuyerAllowance, Item, Order, StockShard
 from .row_locks import GATE_ITEM_ROW, GATE_STOCK_ROW
 
@@ -40,10 +40,7 @@ _ORDER = Order._meta.db_table
 _ALLOWANCE = BuyerAllowance._meta.db_table
 
 
-# Built once per shape (a standard `functools.cache`, kept beside the text it remembers):
-# building it costs 2-13 us a sale, the remembered one 0.2-0.3 us (2026-12-01, `timeit` of
-# an item row's and a stock row's shapes, 50,000 calls each).
-@cache
+@built_once_per_shape
 def sale_sql(shape: Shape) -> str:
     """The text of the sale statement of one shape: a chain of steps (CTEs), then one row of
     answers. For a sale of one stock row with a per-buyer limit, it reads:

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 import redis
 
-from locking import Lock
+from locking import Lock, WakeHubLock
 from locking.wakes import hub_for
 
 #: The ways of waiting. `own wakes`: each waiter blocks in BLPOP on a wake key of its own, on a
@@ -73,7 +73,7 @@ def run_round(url: str, mode: str, waiters: int, pool_size: int, prefix: str) ->
     name = f"{prefix}-{uuid.uuid4().hex[:8]}"
     admin = redis.Redis.from_url(url)
     client = _client(url, mode, waiters, pool_size, name)
-    hub = f"{prefix}:wakes" if mode == "wake hub" else None
+    hub_prefix = f"{prefix}:wakes" if mode == "wake hub" else None
     lock_name = f"{name}:lock"
     holder = Lock(client, lock_name, timeout=TTL_SECONDS)
     assert holder.acquire(blocking=False), "the round's lock is free"
@@ -84,7 +84,11 @@ def run_round(url: str, mode: str, waiters: int, pool_size: int, prefix: str) ->
     record = threading.Lock()
 
     def wait(token: bytes) -> None:
-        lock = Lock(client, lock_name, timeout=TTL_SECONDS, wake_hub=hub)
+        lock = (
+            Lock(client, lock_name, timeout=TTL_SECONDS)
+            if hub_prefix is None
+            else WakeHubLock(client, lock_name, timeout=TTL_SECONDS, hub_prefix=hub_prefix)
+        )
         try:
             if not lock.acquire(blocking_timeout=WAIT_SECONDS, token=token):
                 with record:
@@ -135,8 +139,8 @@ def run_round(url: str, mode: str, waiters: int, pool_size: int, prefix: str) ->
         row.max_ms = gaps[-1]
         row.cpu_ms_per_handover = cpu * 1000 / len(gaps)
     row.in_queue_order = [token for token, _, _ in granted] == queued and len(queued) == waiters
-    if hub is not None:
-        hub_for(client, hub).close()
+    if hub_prefix is not None:
+        hub_for(client, hub_prefix).close()
     client.close()
     admin.close()
     return row

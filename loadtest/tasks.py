@@ -12,7 +12,7 @@ from django.conf import settings as django_settings
 
 from loadtest.models import SaleRun
 
-from .runs.config import LoadRunSettings
+from .runs.config import LoadRunRequest, LoadRunSettings
 
 logger = logging.getLogger(__name__)
 
@@ -20,15 +20,15 @@ logger = logging.getLogger(__name__)
 # Acknowledged on receipt, not after: a batch is minutes of load, not something to run again
 # because a worker stopped half-way.
 @shared_task(acks_late=False, reject_on_worker_lost=False)
-def run_load_batch_task(settings: dict, batch: str) -> str:
-    """Run a batch of load runs with `manage.py loadtest` (in its sandbox: its sales never
-    touch the shop's database); its output goes to the log, its progress to the SaleRun rows
-    the compare page shows. A batch that already has runs is not run again. Returns the
-    report folder."""
+def run_load_batch_task(requested: LoadRunRequest, batch: str) -> str:
+    """Run the batch of load runs `requested` with `manage.py loadtest` (in its sandbox: its
+    sales never touch the shop's database); its output goes to the log, its progress to the
+    SaleRun rows the compare page shows. A batch that already has runs is not run again.
+    Returns the report folder."""
     if SaleRun.objects.filter(batch=batch).exists():
         logger.warning("load run batch %s already exists: not running it again", batch)
         return ""
-    config = LoadRunSettings(**settings)
+    config = LoadRunSettings(**requested)
     manage = Path(django_settings.BASE_DIR) / "manage.py"
     command = [sys.executable, str(manage), "loadtest", *config.command_line(), "--batch", batch]
     with subprocess.Popen(

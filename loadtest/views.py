@@ -23,7 +23,7 @@ from .report.charts import charts
 from .report.columns import BASELINE, COLUMNS, CPU_HEADER, CPU_LEGEND, LEGEND, cell, cpu_rows, notes
 from .report.ratios import comparisons
 from .runs.batch import new_batch_id
-from .runs.config import LoadRunSettings
+from .runs.config import LoadRunRequest, LoadRunSettings
 from .runs.recording import end_orphaned_runs
 
 RECENT_RUNS = 60
@@ -189,18 +189,32 @@ def _start(request: HttpRequest) -> HttpResponse:
     if not form.is_valid():
         messages.error(request, f"Not started: {form.errors.as_text()}")
         return redirect(reverse("admin-compare"))
-    # A blank field leaves the command's default (a probe-sized stock, the default cap).
-    settings = {key: value for key, value in form.cleaned_data.items() if value is not None}
-    config = LoadRunSettings(**settings)
+    requested = _load_run_request(form.cleaned_data)
+    config = LoadRunSettings(**requested)
     try:
         config.validate()
     except InvalidRequest as error:
         messages.error(request, f"Not started: {error.detail}")
         return redirect(reverse("admin-compare"))
     batch = new_batch_id()
-    run_load_batch_task.delay(settings, batch)
+    run_load_batch_task.delay(requested, batch)
     messages.info(request, f"Load run {batch} queued: a Celery worker runs it now.")
     return redirect(f"{reverse('admin-compare')}?batch={batch}")
+
+
+def _load_run_request(fields: dict) -> LoadRunRequest:
+    """The start form's fields as the worker's task takes them. A blank field leaves the
+    command's default (a probe-sized stock, the default cap)."""
+    requested = LoadRunRequest(
+        strategies=fields["strategies"], users=fields["users"], spawn_rate=fields["spawn_rate"]
+    )
+    if fields["stock"] is not None:
+        requested["stock"] = fields["stock"]
+    if fields["window"] is not None:
+        requested["window"] = fields["window"]
+    if fields["duration"] is not None:
+        requested["duration"] = fields["duration"]
+    return requested
 
 
 compare_view = admin.site.admin_view(compare)

@@ -2,8 +2,8 @@
 the longest waiter, instead of waiters polling (`LockCore`'s ``sleep``).
 
 A blocking ``acquire`` runs one script that takes the lock if it is free or else queues the
-caller's token, then blocks in ``BLPOP`` on a wake key of its own (or on its process's wake hub,
-`locking.wakes`). The release script sets the lock to the first waiter's token, with that
+caller's token, then blocks in ``BLPOP`` on a wake key of its own (`locking.wakes`: on its
+process's wake hub). The release script sets the lock to the first waiter's token, with that
 waiter's TTL, and pushes its wake: the woken waiter owns the lock without another round trip,
 and no newcomer can take it in between. Each wait is capped by the lock's remaining TTL, so a
 lock whose holder died is taken as soon as it expires. Scripts: `scripts.handover`.
@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .cluster import is_cluster
 from .core import LockCore, Number
 from .scripts import ScriptCall, script_for
 from .scripts import handover as handover_scripts
-from .wakes import WakeHub, hub_for
 
 #: Lifetime of a wake nobody consumed; long enough for a waiter that is between its
 #: queueing script and its BLPOP to still find it, short enough that nothing lingers.
@@ -74,9 +72,9 @@ class FifoHandOver(LockCore):
     * ``sleep`` is accepted for compatibility only: waiting is driven by wakes, so no poll
       interval delays an acquisition. A non-blocking ``acquire`` runs a single script and never
       queues.
-    * ``max_wait_slice`` bounds a single BLPOP, which bounds the delay when a wake is missed.
-      Default: half the client's ``socket_timeout`` when it has one, so that a BLPOP never
-      outlasts the socket timeout, else 1 s.
+    * ``max_wait_slice`` (an attribute) bounds a single BLPOP, which bounds the delay when a
+      wake is missed: half the client's ``socket_timeout`` when it has one, so that a BLPOP
+      never outlasts the socket timeout, else 1 s. A test may set it before ``acquire``.
     * The queue and the wake keys expire on their own (the queue shortly after its last
       waiter's wait slice, a wake after a few seconds): nothing lingers after use.
     * A client-side timeout of the queueing script is resolved by reading the key, of the
@@ -84,34 +82,15 @@ class FifoHandOver(LockCore):
       again. A waiter whose ``acquire`` raised may still be queued until its entry goes stale;
       ``release()`` with its token withdraws it (and releases the lock if it was handed over
       meanwhile). A release of a lock no longer ours withdraws only a queue entry of its token.
-    * ``wake_hub="<prefix>"``: waiters wait through this process's wake hub
-      (:mod:`locking.wakes`) instead of each blocking in ``BLPOP`` on a connection of its own:
-      the release pushes the hand-over onto the hub's one list, ``<prefix>:<hub id>``, and the
-      hub's one connection wakes the waiter in-process. A waiter then holds no connection while
-      it waits, so a thousand waiters do not need a thousand connections, and a bounded pool
-      always has one for the holder's release. FIFO order, wait slices and the give-up rules
-      are the same. It needs a single Redis (ValueError on a cluster).
     """
 
-    def __init__(
-        self,
-        *args: Any,
-        max_wait_slice: Number | None = None,
-        wake_hub: str | None = None,
-        **kwargs: Any,
-    ) -> None:
+    #: Whether a wait shorter than the server's tick is slept on the client (`SERVER_TICK`);
+    #: a variant whose wait is an in-process event (`locking.wakes`) is woken on time.
+    sleeps_short_waits: ClassVar[bool] = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if max_wait_slice is not None and max_wait_slice <= 0:
-            raise ValueError("max_wait_slice must be positive")
-        if wake_hub is not None and is_cluster(self.redis):
-            raise ValueError(
-                "wake_hub needs a single Redis: the hub's one list cannot share the slot "
-                "of every lock a process waits for"
-            )
-        self.wake_hub = wake_hub
-        self.max_wait_slice = (
-            float(max_wait_slice) if max_wait_slice is not None else _default_slice(self.redis)
-        )
+        self.max_wait_slice = _default_slice(self.redis)
         # The keys a release names beside the lock's own (`release_call`).
         self.queue_name = f"{self.name}:queue"
         self.waiters_name = f"{self.name}:waiters"
@@ -127,17 +106,7 @@ class FifoHandOver(LockCore):
         lock expires, then try again), until ``blocking_timeout`` seconds have passed."""
         if not blocking:
             return super()._grant(token, blocking, blocking_timeout, sleep)  # one take
-        hub = self._hub()
-        if hub is None:
-            return self._wait_in_turn(token, blocking_timeout, b"")
-        hub.register(token)  # before queueing: no hand-over can come sooner
-        try:
-            return self._wait_in_turn(token, blocking_timeout, hub.key)
-        finally:
-            hub.unregister(token)
-
-    def _hub(self) -> WakeHub | None:
-        return None if self.wake_hub is None else hub_for(self.redis, self.wake_hub)
+        return self._wait_in_turn(token, blocking_timeout, b"")
 
     def _wait_in_turn(
         self, token: bytes, blocking_timeout: Number | None, wake_list: bytes
@@ -174,8 +143,8 @@ class FifoHandOver(LockCore):
                 wait = min(wait, pttl / 1000)
             if deadline is not None:
                 wait = min(wait, deadline - time.monotonic())
-            if wait < min(self.max_wait_slice, SERVER_TICK) and self.wake_hub is None:
-                time.sleep(max(wait, MIN_WAIT))  # the hub's wait is an in-process event, on time
+            if wait < min(self.max_wait_slice, SERVER_TICK) and self.sleeps_short_waits:
+                time.sleep(max(wait, MIN_WAIT))
                 continue
             fence = self._wait_for_handoff(token, wait)
             if fence is not None:
@@ -233,9 +202,6 @@ class FifoHandOver(LockCore):
         # Milliseconds are Redis' resolution; rounding also keeps the float out of
         # exponent notation.
         seconds = round(max(seconds, MIN_WAIT), 3)
-        hub = self._hub()
-        if hub is not None:
-            return hub.wait(token, seconds)
         try:
             woken = self.redis.blpop([self._wake_key(token)], timeout=seconds)
         except RedisTimeoutError:
@@ -244,7 +210,10 @@ class FifoHandOver(LockCore):
             # holding our token, and its fence). The next script will surface a Redis that
             # is gone.
             return None
-        return None if woken is None else int(woken[1])
+        if woken is None:
+            return None
+        _wake_key, fence = woken  # the release pushed the fence it granted us
+        return int(fence)
 
     def _wake_key(self, token: bytes) -> bytes:
         return self._wake_prefix + token

@@ -1,12 +1,13 @@
 """`Lock`: the shop's Redis lock, redis-py's API with a fencing token, composed of its core and
-the features around it, each in a module of its own:
+the features around it, each in a module of its own; its variants are small classes composed
+the same way, not constructor flags:
 
 * `core`: SET NX PX with an owner token, compare-and-delete release, extend, the fence;
 * `handover`: waiters queue in Redis and a release hands the lock to the first (FIFO);
 * `watchdog`: renews a held lock's TTL and reports a lock that slipped away;
-* `reentrant` and `replicas`: the reentrant mode and the replica check.
+* `reentrant`, `replicas`, `wakes`: `ReentrantLock`, `ReplicatedLock`, `WakeHubLock`.
 
-Code written against :class:`redis.lock.Lock` works with it unchanged (its exceptions are
+Code written against :class:`redis.lock.Lock` works with `Lock` unchanged (its exceptions are
 redis-py's own); ``sleep`` is accepted, and unused: waiters are woken, they do not poll.
 See docs/design.md#locks.
 """
@@ -20,18 +21,16 @@ from .core import Number
 from .handover import FifoHandOver
 from .reentrant import Reentrant
 from .replicas import Replicated
+from .wakes import HubWoken
 from .watchdog import Watchdog
 
 
-class Lock(Reentrant, Replicated, Watchdog, FifoHandOver):
+class Lock(Watchdog, FifoHandOver):
     """A distributed lock stored in Redis under ``name``; API of :class:`redis.lock.Lock`.
 
     The contract is the core's (:class:`~locking.core.LockCore`) and the hand-over's
-    (:class:`~locking.handover.FifoHandOver`), always; the others' when their arguments ask:
-    ``watchdog`` and ``on_lost`` (:class:`~locking.watchdog.Watchdog`), ``reentrant``
-    (:class:`~locking.reentrant.Reentrant`), ``replicas`` and ``replica_timeout``
-    (:class:`~locking.replicas.Replicated`); ``max_wait_slice`` and ``wake_hub`` tune the
-    hand-over's waits. The positional arguments are redis-py's.
+    (:class:`~locking.handover.FifoHandOver`); ``watchdog`` and ``on_lost`` are the
+    watchdog's (:class:`~locking.watchdog.Watchdog`). The positional arguments are redis-py's.
     """
 
     def __init__(
@@ -47,11 +46,6 @@ class Lock(Reentrant, Replicated, Watchdog, FifoHandOver):
         *,
         watchdog: bool = False,
         on_lost: Callable[[Lock], object] | None = None,
-        max_wait_slice: Number | None = None,
-        replicas: int = 0,
-        replica_timeout: Number = 0.1,
-        reentrant: bool = False,
-        wake_hub: str | None = None,
     ) -> None:
         super().__init__(
             redis,
@@ -62,11 +56,23 @@ class Lock(Reentrant, Replicated, Watchdog, FifoHandOver):
             blocking_timeout,
             thread_local,
             raise_on_release_error,
-            reentrant=reentrant,
-            replicas=replicas,
-            replica_timeout=replica_timeout,
             watchdog=watchdog,
             on_lost=on_lost,
-            max_wait_slice=max_wait_slice,
-            wake_hub=wake_hub,
         )
+
+
+class ReentrantLock(Reentrant, Lock):
+    """A :class:`Lock` the thread holding it takes again at once, counted, released at the
+    last release (:class:`~locking.reentrant.Reentrant`). `Lock`'s arguments."""
+
+
+class ReplicatedLock(Replicated, Lock):
+    """A :class:`Lock` granted only once ``replicas`` replicas hold it, acknowledged within
+    ``replica_timeout`` seconds (0.1 by default; :class:`~locking.replicas.Replicated`).
+    `Lock`'s arguments, and those two keywords."""
+
+
+class WakeHubLock(HubWoken, Lock):
+    """A :class:`Lock` whose waiters wait through their process's wake hub, one connection for
+    all of them, its list named from ``hub_prefix`` (:class:`~locking.wakes.HubWoken`).
+    `Lock`'s arguments, and that keyword."""

@@ -28,7 +28,7 @@ _reentries = _Reentries()
 
 
 class Reentrant(LockCore):
-    """The core lock, taken again by the thread holding it when ``reentrant=True``.
+    """The core lock, taken again by the thread holding it.
 
     Contract, beside :class:`LockCore`'s:
 
@@ -44,9 +44,8 @@ class Reentrant(LockCore):
       many times it was taken.
     """
 
-    def __init__(self, *args: Any, reentrant: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.reentrant = reentrant
         # Locks of one name on one client are the same lock to a thread taking it again.
         self._reentry_key = (id(getattr(self.redis, "connection_pool", self.redis)), self.name)
 
@@ -57,8 +56,6 @@ class Reentrant(LockCore):
         blocking_timeout: Number | None = None,
         token: str | bytes | None = None,
     ) -> bool:
-        if not self.reentrant:
-            return super().acquire(sleep, blocking, blocking_timeout, token)
         if self._take_again():
             return True
         if not super().acquire(sleep, blocking, blocking_timeout, token):
@@ -86,7 +83,7 @@ class Reentrant(LockCore):
         return True
 
     def release(self, *, after: ScriptCall | None = None) -> None:
-        if self.reentrant and self._held_still(after):
+        if self._held_still(after):
             return
         super().release(after=after)
 
@@ -108,9 +105,7 @@ class Reentrant(LockCore):
         return True
 
     def released_elsewhere(self) -> None:
-        if self.reentrant:
-            raise LockError(
-                "Only a lock held once, and not reentrant, can be released elsewhere",
-                lock_name=self.name,
-            )
-        super().released_elsewhere()
+        raise LockError(
+            "Only a lock held once, and not reentrant, can be released elsewhere",
+            lock_name=self.name,
+        )

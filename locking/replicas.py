@@ -18,23 +18,23 @@ from .core import LockCore, Number
 class Replicated(LockCore):
     """The core lock, granted only once ``replicas`` replicas acknowledge it.
 
-    Contract, beside :class:`LockCore`'s: with ``replicas=N`` (requires ``timeout``), right
-    after taking the lock one pipeline resets its TTL (a write of this connection, after the
-    take) and sends ``WAIT N`` for up to ``replica_timeout`` seconds. If fewer replicas
+    Contract, beside :class:`LockCore`'s: with ``replicas=N`` (N >= 1; requires ``timeout``),
+    right after taking the lock one pipeline resets its TTL (a write of this connection, after
+    the take) and sends ``WAIT N`` for up to ``replica_timeout`` seconds. If fewer replicas
     acknowledge, ``acquire`` releases what it took (handing it on, as a release does) and
     returns False, without trying again: a lock only the primary holds is lost if the primary
     dies before replicating it, and a replica promoted then grants it a second time.
     """
 
     def __init__(
-        self, *args: Any, replicas: int = 0, replica_timeout: Number = 0.1, **kwargs: Any
+        self, *args: Any, replicas: int, replica_timeout: Number = 0.1, **kwargs: Any
     ) -> None:
         super().__init__(*args, **kwargs)
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
-            raise ValueError(f"replicas must be an int >= 0, got {replicas!r}")
-        if replicas and not self.timeout:
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
+        if not self.timeout:
             raise ValueError("replicas needs a timeout: the check rewrites the lock's TTL")
-        if replicas and replica_timeout <= 0:
+        if replica_timeout <= 0:
             raise ValueError("replica_timeout must be positive")
         self.replicas = replicas
         self.replica_timeout = replica_timeout
@@ -48,7 +48,7 @@ class Replicated(LockCore):
     ) -> bool:
         if not super().acquire(sleep, blocking, blocking_timeout, token):
             return False
-        if self.replicas and not self._replicated():
+        if not self._replicated():
             try:
                 self.release()
             except LockNotOwnedError:

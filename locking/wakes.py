@@ -1,4 +1,5 @@
-"""One wake-up channel for all the lock waiters of a process (`FifoHandOver`'s ``wake_hub``).
+"""One wake-up channel for all the lock waiters of a process, and `HubWoken`, the hand-over
+whose waiters wait through it (`locking.WakeHubLock`).
 
 A waiter with no hub blocks in ``BLPOP`` on a wake key of its own, holding a connection for
 its whole wait: a thousand waiters hold a thousand connections, and with a bounded pool the
@@ -20,11 +21,15 @@ import os
 import threading
 import uuid
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from .cluster import is_cluster
+from .core import Number
+from .handover import MIN_WAIT, FifoHandOver
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +37,22 @@ logger = logging.getLogger(__name__)
 DEFAULT_SLICE = 1.0
 #: How long the hub waits before it tries again after a Redis error, at most.
 MAX_BACKOFF = 1.0
+
+
+class HandOver(NamedTuple):
+    """A wake on a hub's list: the lock went to the waiter holding ``token``, granted with
+    ``fence``. Pushed by another process's release (`scripts.handover.HAND_OVER`) as
+    ``b"<token> <fence>"``; :meth:`parse` reads it."""
+
+    token: bytes
+    fence: int
+
+    @classmethod
+    def parse(cls, message: bytes | str) -> HandOver:
+        """The hand-over a hub popped (str from a client that decodes responses)."""
+        raw = message.encode() if isinstance(message, str) else message
+        token, _, fence = raw.rpartition(b" ")  # a token may hold spaces, a fence never does
+        return cls(token=token, fence=int(fence))
 
 
 class _Waiter:
@@ -46,7 +67,7 @@ class WakeHub:
     """Receives the lock hand-overs of this process's waiters on one list and one connection.
 
     A waiter registers its token with the hub before it queues; its queue entry names the hub's
-    list, so the release that hands it the lock pushes ``<token> <fence>`` there; the hub's
+    list, so the release that hands it the lock pushes a :class:`HandOver` there; the hub's
     thread pops it and sets the waiter's event. Waiting costs a waiter no connection: it uses
     the client's pool only for its short scripts (queueing, renewing its entry after each wait
     slice, withdrawing). A wake the hub misses (its connection dropped with the reply in flight,
@@ -124,20 +145,58 @@ class WakeHub:
                 continue
             backoff = 0.01
             if popped is not None:
-                message = popped[1]
-                # (a client with decode_responses hands back str)
-                self._deliver(message.encode() if isinstance(message, str) else message)
+                _list, message = popped
+                self._deliver(HandOver.parse(message))
 
-    def _deliver(self, message: bytes) -> None:
-        token, _, fence = message.rpartition(b" ")
+    def _deliver(self, hand_over: HandOver) -> None:
         with self._mutex:
-            waiter = self._waiters.get(token)
+            waiter = self._waiters.get(hand_over.token)
             self.delivered += 1
             if waiter is None:
                 # Its waiter gave up (its withdrawal kept a lock handed over just before).
                 return
-            waiter.fence = int(fence)
+            waiter.fence = hand_over.fence
             waiter.event.set()
+
+
+class HubWoken(FifoHandOver):
+    """The hand-over lock whose waiters wait through their process's :class:`WakeHub`.
+
+    Contract, beside :class:`~locking.handover.FifoHandOver`'s: a waiter registers its token
+    with the hub of ``hub_prefix`` before it queues, and its queue entry names the hub's list,
+    ``<hub_prefix>:<hub id>``: the release pushes the hand-over there and the hub's one
+    connection wakes the waiter in-process. A waiter holds no connection while it waits, so a
+    thousand waiters do not need a thousand connections, and a bounded pool always has one
+    for the holder's release. FIFO order, wait slices and the give-up rules are the same. It
+    needs a single Redis (ValueError on a cluster).
+    """
+
+    # The hub's wait is an in-process event, on time: no wait is slept on the client.
+    sleeps_short_waits = False
+
+    def __init__(self, *args: Any, hub_prefix: str = "locking:wakes", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if is_cluster(self.redis):
+            raise ValueError(
+                "the wake hub needs a single Redis: the hub's one list cannot share the slot "
+                "of every lock a process waits for"
+            )
+        self.hub_prefix = hub_prefix
+
+    def _grant(
+        self, token: bytes, blocking: bool, blocking_timeout: Number | None, sleep: Number
+    ) -> int | None:
+        if not blocking:
+            return super()._grant(token, blocking, blocking_timeout, sleep)  # one take
+        hub = hub_for(self.redis, self.hub_prefix)
+        hub.register(token)  # before queueing: no hand-over can come sooner
+        try:
+            return self._wait_in_turn(token, blocking_timeout, hub.key)
+        finally:
+            hub.unregister(token)
+
+    def _wait_for_handoff(self, token: bytes, seconds: float) -> int | None:
+        return hub_for(self.redis, self.hub_prefix).wait(token, round(max(seconds, MIN_WAIT), 3))
 
 
 _hubs: dict[tuple[int, str], WakeHub] = {}

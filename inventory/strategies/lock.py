@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from django.conf import settings
 
 from locking.scripts import script_for
@@ -89,18 +91,18 @@ class LockStrategy(StockStrategy):
     # -- the sold-out mark --------------------------------------------------------------------
 
     @staticmethod
-    def _gone(item: Item) -> tuple[int | None, bytes]:
-        """The units the sale's mark says are left (None: no mark, or one an addition voided),
-        and the additions counted so far (what `_mark_gone` must still find)."""
-        mark, additions = get_redis_client().mget(_gone_keys(item))
-        additions = additions or b"0"
-        if mark is None:
-            return None, additions
-        made_at, _, left = mark.partition(b":")
-        return (int(left) if made_at == additions else None), additions
+    def _gone(item: Item) -> MarkRead:
+        """What the sale's mark says now, and the additions counted so far."""
+        stored_mark, stored_additions = get_redis_client().mget(_gone_keys(item))
+        additions = int(stored_additions or 0)
+        if stored_mark is None:
+            return MarkRead(units_left=None, additions=additions)
+        mark = GoneMark.parse(stored_mark)
+        units_left = mark.units_left if mark.additions == additions else None
+        return MarkRead(units_left=units_left, additions=additions)
 
     @staticmethod
-    def _mark_gone(item: Item, left: int, additions: bytes) -> None:
+    def _mark_gone(item: Item, left: int, additions: int) -> None:
         """Mark the sale gone with `left` units, unless units were added since `additions`
         was read (then the read that found it short may be older than they are)."""
         client = get_redis_client()
@@ -121,13 +123,38 @@ class LockStrategy(StockStrategy):
         self._units_back(item)
 
 
+class GoneMark(NamedTuple):
+    """The sale's sold-out mark as a checkout stored it (`_GONE_MARK`:
+    ``b"<additions>:<units left>"``), which checkouts in every process read."""
+
+    #: The count of additions to the item row when the mark was made: a later one voids it.
+    additions: int
+    #: The units the checkout that made it found left.
+    units_left: int
+
+    @classmethod
+    def parse(cls, stored: bytes) -> GoneMark:
+        additions, _, units_left = stored.partition(b":")
+        return cls(additions=int(additions), units_left=int(units_left))
+
+
+class MarkRead(NamedTuple):
+    """What `LockStrategy._gone` found."""
+
+    #: The units a mark made since the last addition says are left; None: no such mark.
+    units_left: int | None
+    #: The additions counted so far: what `_mark_gone` must still find to mark.
+    additions: int
+
+
 def _gone_keys(item: Item) -> list[str]:
     """The sale's sold-out mark and its count of additions, in the sale's slot."""
     return [keys.sale_key(item, "gone"), keys.sale_key(item, "additions")]
 
 
 #: Mark a sale gone: KEYS the mark and the additions; ARGV the additions as the checkout read
-#: them (b"0" for none) and the units it found left. Marks only if no addition came since.
+#: them (0 for none) and the units it found left. Marks only if no addition came since; the
+#: mark reads back as `GoneMark`.
 _GONE_MARK = """
 local additions = redis.call('GET', KEYS[2]) or '0'
 if additions ~= ARGV[1] then

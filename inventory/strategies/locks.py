@@ -16,13 +16,13 @@ import uuid
 import weakref
 from collections.abc import Callable
 from contextvars import ContextVar
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 from django.conf import settings
 from django.utils.module_loading import import_string
 
-from locking import Lock, LockNotOwnedError, QuorumLock
+from locking import Lock, LockNotOwnedError, QuorumLock, WakeHubLock
 from locking import watchdog as lock_watchdog
 
 from .. import deadline, keys, metrics
@@ -49,7 +49,8 @@ def new_lock(name: str, *, strategy: str, quorum: bool = False, peers: bool = Fa
     and releases them by `locking.Lock`'s own scripts). A factory
     takes (client, name, *, timeout, blocking_timeout, watchdog) and returns an object with
     Lock's acquire(token=...), release(), owned(), `local.token`, `name` and `lost`. Ours
-    waits through the process's wake hub (`locking.wakes`) when FLASHSALE_LOCK_WAKE_HUB is on.
+    waits through the process's wake hub (`locking.WakeHubLock`) when FLASHSALE_LOCK_WAKE_HUB
+    is on.
     `quorum` (the `lock` strategy's item lock): held on a majority of REDIS_LOCK_URLS' masters
     instead (`locking.QuorumLock`, its fences from the database), when that lists any.
     """
@@ -65,16 +66,14 @@ def new_lock(name: str, *, strategy: str, quorum: bool = False, peers: bool = Fa
         _lock_strategy[held] = strategy
         return held
     factory = _lock_factory(settings.FLASHSALE_LOCK_FACTORY) if peers else Lock
-    options: dict[str, Any] = {}
-    if settings.FLASHSALE_LOCK_WAKE_HUB and isinstance(factory, type) and issubclass(factory, Lock):
-        options["wake_hub"] = keys.key("lock-wakes")
+    if settings.FLASHSALE_LOCK_WAKE_HUB and factory is Lock:
+        factory = partial(WakeHubLock, hub_prefix=keys.key("lock-wakes"))
     lock = factory(
         get_redis_client(),
         name,
         timeout=settings.FLASHSALE_LOCK_TTL_MS / 1000,
         blocking_timeout=settings.FLASHSALE_LOCK_WAIT_MS / 1000,
         watchdog=settings.FLASHSALE_LOCK_WATCHDOG,
-        **options,
     )
     _lock_strategy[lock] = strategy
     return lock

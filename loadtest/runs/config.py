@@ -1,5 +1,6 @@
-"""What a batch of load runs is asked to do (`LoadRunSettings`, checked before anything runs),
-where it tells how it goes (`Progress`), and the error of a run that could not be measured.
+"""What a batch of load runs is asked to do (`LoadRunSettings`, checked before anything runs;
+`LoadRunRequest`, what the compare page sends its worker), where it tells how it goes
+(`Progress`), and the error of a run that could not be measured.
 See docs/load-runs.md#options.
 """
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, Required, TypedDict
 
 from inventory.exceptions import InvalidRequest
 from inventory.strategies import strategy_names
@@ -38,6 +39,19 @@ def print_progress(line: str, *, live: bool = False) -> None:
 
 class LoadRunError(Exception):
     """A run that could not be measured; its message says why and where to look."""
+
+
+class LoadRunRequest(TypedDict, total=False):
+    """The load run the compare page's form asks for, sent to `run_load_batch_task` through the
+    broker (JSON): `LoadRunSettings`' fields of the same names; a field left out (a blank in
+    the form) keeps its default."""
+
+    strategies: Required[list[str]]
+    stock: int
+    users: int
+    spawn_rate: float
+    window: float
+    duration: int
 
 
 @dataclass

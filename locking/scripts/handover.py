@@ -66,7 +66,7 @@ return taken
 # * hands the lock over: pops the queue head, skipping entries whose deadline (server
 #   TIME) has passed, sets the lock to that waiter's token with that waiter's TTL, pushes
 #   the waiter's fencing token (a new grant) onto its own wake (or "<token> <fence>" onto
-#   the wake list its entry names) and returns 2. The waiter
+#   the wake list its entry names, read as `locking.wakes.HandOver`) and returns 2. The waiter
 #   owns the lock from this moment on, without a round trip of its own; a waiter that died
 #   while queued is handed the lock all the same, which then expires after its TTL like a
 #   crashed holder's.

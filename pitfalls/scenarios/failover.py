@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from locking import Lock, ProcessFences, QuorumLock
+from locking import Lock, ProcessFences, QuorumLock, ReplicatedLock
 from shop.processes.redis_server import RedisServer
 
 from ..proxy import LossyProxy
@@ -75,22 +75,30 @@ class FailoverLosesLock(Scenario):
     def _one_primary(
         self, redis_host: RedisHost, recorder: Recorder, replicas: int
     ) -> tuple[int, bool]:
-        """`Lock(replicas=...)` on `redis_host`, the primary, and a replica behind a cut link:
-        (how many held the lock at once after B asked for it, whether an acquire was granted
-        while the link was up)."""
+        """`ReplicatedLock(replicas=...)` (`Lock` with none) on `redis_host`, the primary, and a
+        replica behind a cut link: (how many held the lock at once after B asked for it,
+        whether an acquire was granted while the link was up)."""
+
+        def lock_on(client: redis.Redis, name: str, replica_timeout: float = 0.1) -> Lock:
+            if not replicas:
+                return Lock(client, name, timeout=5)
+            return ReplicatedLock(
+                client, name, timeout=5, replicas=replicas, replica_timeout=replica_timeout
+            )
+
         with LossyProxy(redis_host.port) as link:
             replica = _replica_of(link.port)  # it replicates through the proxy
             try:
                 primary = redis_host.client(socket_timeout=5)
                 promoted = replica.client(socket_timeout=5)
                 # With the replica in step, the WAITed acquire takes the lock as usual.
-                check = Lock(primary, f"{NAME}:check", timeout=5, replicas=replicas)
+                check = lock_on(primary, f"{NAME}:check")
                 replicated_while_up = check.acquire(blocking=False)
                 if replicated_while_up:
                     check.release()
                 link.cut()  # a partition: the replica hears nothing from now on
                 recorder.note("replica", "cut off")
-                a = Lock(primary, NAME, timeout=5, replicas=replicas, replica_timeout=0.2)
+                a = lock_on(primary, NAME, replica_timeout=0.2)
                 if a.acquire(blocking=False):
                     recorder.acquired("A", "on the primary")
                 else:

@@ -15,7 +15,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import LockNotOwnedError
 from redis.retry import Retry
 
-from locking import Lock
+from locking import Lock, ReentrantLock
 from locking.scripts.handover import TAKE_OR_QUEUE
 
 from .. import naive
@@ -210,10 +210,10 @@ class ReentrantDeadlock(Scenario):
     def run(self, variant: Variant, redis_host: RedisHost) -> Outcome:
         client = redis_host.client(socket_timeout=5)
         recorder = Recorder()
-        reentrant = variant == "fixed"
+        lock_class = ReentrantLock if variant == "fixed" else Lock
 
         def method_b() -> bool:
-            lock = Lock(client, NAME, timeout=5, reentrant=reentrant)
+            lock = lock_class(client, NAME, timeout=5)
             if not lock.acquire(blocking_timeout=1.0):
                 recorder.note("methodB", "refused", "waited 1 s for its own caller's lock")
                 return False
@@ -222,7 +222,7 @@ class ReentrantDeadlock(Scenario):
             recorder.note("methodB", "released")
             return True
 
-        outer = Lock(client, NAME, timeout=5, reentrant=reentrant)
+        outer = lock_class(client, NAME, timeout=5)
         outer.acquire()
         recorder.acquired("methodA")
         done = method_b()

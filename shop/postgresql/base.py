@@ -6,6 +6,9 @@ A connection the server closed (a restart, a failover, `idle_session_timeout`,
 `pg_terminate_backend`) has already told the client so: PostgreSQL sends a FATAL message and
 closes the socket, which is then readable. An idle connection's socket is not. So only a
 readable socket (or a connection no longer OK) costs the `SELECT 1` that decides.
+
+A micro-optimisation kept here rather than in `inventory.fastpath` (which lists it): Django
+loads this backend while it builds the first model, and fastpath imports the models.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from psycopg import pq
 
 class DatabaseWrapper(base.DatabaseWrapper):
     def is_usable(self) -> bool:
+        # Pays for: Django's `SELECT 1` took 150-180 us of a request over loopback TCP, this
+        # look 3-5 us (2026-12-01, `timeit` of `connection.is_usable()` against Django's own
+        # backend's on the same connection, 5 x 10,000 calls each, medians).
         connection = self.connection
         if connection is None or connection.closed:
             return False

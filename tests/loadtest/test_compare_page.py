@@ -208,8 +208,8 @@ def test_a_batch_delivered_again_is_not_run_again():
     from loadtest.tasks import run_load_batch_task
 
     _batch("b-again")
-    settings = {"strategies": ["lua"], "stock": 5, "users": 2, "spawn_rate": 2, "duration": 3}
-    assert run_load_batch_task.run(settings, "b-again") == ""
+    requested = {"strategies": ["lua"], "stock": 5, "users": 2, "spawn_rate": 2, "duration": 3}
+    assert run_load_batch_task.run(requested, "b-again") == ""
     assert SaleRun.objects.filter(batch="b-again").count() == 3
 
 

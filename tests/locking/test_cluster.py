@@ -11,7 +11,7 @@ import uuid
 import pytest
 from redis.exceptions import RedisClusterException
 
-from locking import Lock, StockCounter
+from locking import Lock, StockCounter, WakeHubLock
 from locking.cluster import has_hash_tag, slot
 from locking.counter import Claim, Take
 from shop.processes.redis_cluster import LocalCluster
@@ -43,8 +43,8 @@ def test_hash_tags_are_recognised():
 def test_a_lock_name_without_a_hash_tag_is_refused_on_a_cluster(rc):
     with pytest.raises(ValueError, match="has no hash tag"):
         Lock(rc, "lock:item:no-tag")
-    with pytest.raises(ValueError, match="wake_hub needs a single Redis"):
-        Lock(rc, "lock:{item:1}", wake_hub="hub")
+    with pytest.raises(ValueError, match="the wake hub needs a single Redis"):
+        WakeHubLock(rc, "lock:{item:1}", hub_prefix="hub")
 
 
 def test_contended_locks_on_a_cluster_exclude_and_hand_over_in_order(rc, cluster):

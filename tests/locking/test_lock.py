@@ -224,11 +224,12 @@ def test_works_with_decode_responses(prefix: str) -> None:
 def test_constructor_contract(r: redis.Redis) -> None:
     assert Lock(redis.Redis(socket_timeout=0.8), "x").max_wait_slice == 0.4
     assert Lock(redis.Redis(socket_timeout=None), "x").max_wait_slice == 1.0
-    assert Lock(redis.Redis(socket_timeout=0.8), "x", max_wait_slice=3).max_wait_slice == 3.0
     with pytest.raises(ValueError):
         Lock(r, "x", watchdog=True)  # nothing to renew without a TTL
-    with pytest.raises(ValueError):
-        Lock(r, "x", max_wait_slice=0)
+    # The other features are classes of their own (ReentrantLock, ...), not flags
+    for flag in ("reentrant", "replicas", "wake_hub", "max_wait_slice"):
+        with pytest.raises(TypeError):
+            Lock(r, "x", timeout=5, **{flag: 1})
 
 
 def test_scripts_registered_once_per_client(r: redis.Redis) -> None:
@@ -387,7 +388,8 @@ def test_without_watchdog_the_lock_expires_mid_work(r: redis.Redis, prefix: str)
     worker = Lock(r, name, timeout=TTL)
     assert worker.acquire()
     work_started = time.monotonic()
-    second = Lock(r, name, timeout=10, max_wait_slice=5, thread_local=False)
+    second = Lock(r, name, timeout=10, thread_local=False)
+    second.max_wait_slice = 5
     thread, outcome = run_in_thread(lambda: second.acquire(blocking_timeout=10))
 
     # The first holder is still "working" (it never releases) when the second takes the lock,
@@ -522,7 +524,8 @@ def test_release_wakes_a_waiter_at_once(r: redis.Redis, prefix: str) -> None:
     waiter_client = redis.Redis.from_url(redis_url(), client_name=client_name)
     # Its wait slice (and poll interval) of a minute, and the holder's TTL, are all past the
     # 20 s this test waits for it: only the release's wake can get it the lock in that time.
-    waiter = Lock(waiter_client, name, timeout=30, sleep=60, max_wait_slice=60, thread_local=False)
+    waiter = Lock(waiter_client, name, timeout=30, sleep=60, thread_local=False)
+    waiter.max_wait_slice = 60
     thread, outcome = run_in_thread(lambda: waiter.acquire(blocking_timeout=120))
     _wait_until_blocked(r, client_name)
 
@@ -550,7 +553,8 @@ def test_nothing_lingers_and_helper_keys_are_short_lived(r: redis.Redis, prefix:
 
     # While someone waits, the queue and its details expire on their own.
     assert lock.acquire()
-    waiter = Lock(r, name, timeout=5, max_wait_slice=0.5, thread_local=False)
+    waiter = Lock(r, name, timeout=5, thread_local=False)
+    waiter.max_wait_slice = 0.5
     thread, outcome = run_in_thread(lambda: waiter.acquire(blocking_timeout=10))
     deadline = time.monotonic() + 5
     while not r.exists(name + ":queue") and time.monotonic() < deadline:
@@ -584,7 +588,8 @@ def test_a_dead_holders_lock_is_taken_when_it_expires(r: redis.Redis, prefix: st
     acquired_at = time.monotonic()
     # Its wait slice (and poll interval) of a minute is past its 10 s blocking timeout: only
     # waking when the TTL runs out can get it the lock in time.
-    waiter = Lock(r, name, timeout=5, sleep=60, max_wait_slice=60)
+    waiter = Lock(r, name, timeout=5, sleep=60)
+    waiter.max_wait_slice = 60
     assert waiter.acquire(blocking_timeout=10)
     assert time.monotonic() - acquired_at > 0.45  # and not before the TTL ran out
     assert waiter.owned()

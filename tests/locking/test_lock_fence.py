@@ -11,7 +11,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from locking import Lock
+from locking import Lock, ReentrantLock
 from pitfalls.proxy import LossyProxy
 from shop.processes.redis_server import RedisServer
 
@@ -89,9 +89,9 @@ def test_a_take_whose_reply_was_lost_reads_its_fence_back(r: redis.Redis, prefix
 
 
 def test_a_reentrant_acquisition_keeps_the_first_ones_fence(r: redis.Redis, prefix: str) -> None:
-    outer = Lock(r, prefix + "again", timeout=5, reentrant=True)
+    outer = ReentrantLock(r, prefix + "again", timeout=5)
     assert outer.acquire()
-    inner = Lock(r, prefix + "again", timeout=5, reentrant=True)
+    inner = ReentrantLock(r, prefix + "again", timeout=5)
     assert inner.acquire()  # methodA -> methodB: the same grant
     assert inner.fence == outer.fence is not None
     inner.release()

@@ -12,23 +12,53 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from functools import cache
+from typing import Any
 
 import pytest
 import redis
 from redis.exceptions import LockError, LockNotOwnedError
 
-from locking import Lock, release_each_call
+from locking import Lock, ReentrantLock, WakeHubLock, release_each_call
+from locking.handover import FifoHandOver
 from shop.processes.redis_server import RedisServer
 from tests.support import gather_from_processes, redis_url, run_in_thread
 
 # -- helpers ---------------------------------------------------------------------------
 
 
-class CountingLock(Lock):
-    """Counts acquisitions that came by handoff, and give-ups that kept a handed-over lock
-    or withdrew."""
+def new_lock(
+    *args: Any, wake_hub: str | None = None, wait_slice: float | None = None, **kwargs: Any
+):
+    """A `Lock`, or with `wake_hub` a `WakeHubLock` waiting through the hub of that prefix;
+    with `wait_slice`, its longest single wait (`max_wait_slice`)."""
+    if wake_hub is None:
+        lock = Lock(*args, **kwargs)
+    else:
+        lock = WakeHubLock(*args, hub_prefix=wake_hub, **kwargs)
+    if wait_slice is not None:
+        lock.max_wait_slice = wait_slice
+    return lock
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
+
+def new_counting(behaviour: type[CountingLock], *args: Any, wake_hub: str | None, **kwargs: Any):
+    """`behaviour` (CountingLock or a subclass) around `Lock`, or with `wake_hub` around a
+    `WakeHubLock` waiting through the hub of that prefix."""
+    if wake_hub is None:
+        return _around(behaviour, Lock)(*args, **kwargs)
+    return _around(behaviour, WakeHubLock)(*args, hub_prefix=wake_hub, **kwargs)
+
+
+@cache
+def _around(behaviour: type, lock_class: type) -> type:
+    return type(f"{behaviour.__name__}{lock_class.__name__}", (behaviour, lock_class), {})
+
+
+class CountingLock(FifoHandOver):
+    """Counts acquisitions that came by handoff, and give-ups that kept a handed-over lock
+    or withdrew (composed around a lock by `new_counting`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.handoffs = 0
         self.kept_on_give_up = 0
@@ -148,7 +178,9 @@ def _count_under_the_lock(
 ) -> None:
     client = redis.Redis.from_url(url)
     try:
-        lock = CountingLock(client, name, timeout=ttl, watchdog=watchdog, wake_hub=wake_hub)
+        lock = new_counting(
+            CountingLock, client, name, timeout=ttl, watchdog=watchdog, wake_hub=wake_hub
+        )
         most_holders = failures = 0
         barrier.wait(60)
         for _ in range(ACQUISITIONS):
@@ -233,11 +265,11 @@ def test_waiters_get_the_lock_in_the_order_they_queued(
         started = []
         for index in range(waiters):
             client = clients()
-            lock = Lock(
+            lock = new_lock(
                 client,
                 name,
                 timeout=30,
-                max_wait_slice=wait_slice,
+                wait_slice=wait_slice,
                 wake_hub=wake_hub and prefix + wake_hub,
             )
 
@@ -297,8 +329,13 @@ def test_a_waiter_that_gives_up_never_keeps_the_lock(
     name = prefix + "give-up-race"
     rounds = 300
     locks = [
-        lock_cls(
-            clients(), name, timeout=30, thread_local=False, wake_hub=wake_hub and prefix + wake_hub
+        new_counting(
+            lock_cls,
+            clients(),
+            name,
+            timeout=30,
+            thread_local=False,
+            wake_hub=wake_hub and prefix + wake_hub,
         )
         for _ in range(3)
     ]
@@ -392,7 +429,7 @@ def test_a_waiter_that_gave_up_is_not_handed_the_lock(r: redis.Redis, prefix: st
 
 def _queue_and_block(url: str, name: str, client_name: str, token: str, ttl: float, wait_slice):
     client = redis.Redis.from_url(url, client_name=client_name)
-    Lock(client, name, timeout=ttl, max_wait_slice=wait_slice).acquire(
+    new_lock(client, name, timeout=ttl, wait_slice=wait_slice).acquire(
         blocking_timeout=60, token=token
     )
 
@@ -415,7 +452,7 @@ def test_a_killed_waiter_is_handed_the_lock_which_then_expires(r: redis.Redis, p
     assert holder.acquire()
     proc, dead_token = _start_queued_process(r, name, dead_ttl, wait_slice=30)
     # A live waiter queues behind the one about to die.
-    live = Lock(r, name, timeout=30, max_wait_slice=0.2, thread_local=False)
+    live = new_lock(r, name, timeout=30, thread_local=False, wait_slice=0.2)
     thread, outcome = run_in_thread(lambda: live.acquire(blocking_timeout=20))
     wait_for(lambda: len(queue(r, name)) == 2, what="the live waiter queued")
 
@@ -479,7 +516,7 @@ def test_queued_waiters_get_the_lock_after_a_dead_holders_ttl(
         for index in range(3):
             # A wait slice of a minute, past the blocking timeout: no waiter gets the lock in
             # time unless it wakes when the dead holder's TTL runs out.
-            lock = Lock(clients(), name, timeout=30, max_wait_slice=60, thread_local=False)
+            lock = new_lock(clients(), name, timeout=30, thread_local=False, wait_slice=60)
 
             def take_turn(lock=lock, index=index) -> bool:
                 if not lock.acquire(blocking_timeout=20):
@@ -567,7 +604,7 @@ def test_a_waiter_renews_its_entry_in_place(r: redis.Redis, prefix: str) -> None
     name = prefix + "renew-entry"
     holder = Lock(r, name, timeout=30)
     assert holder.acquire()
-    waiter = Lock(r, name, timeout=7, max_wait_slice=0.02, thread_local=False)
+    waiter = new_lock(r, name, timeout=7, thread_local=False, wait_slice=0.02)
     thread, outcome = run_in_thread(lambda: waiter.acquire(blocking_timeout=10, token="w"))
     wait_for(lambda: queue(r, name) == [b"w"], what="queued")
     first_deadline, ttl = r.hget(name + ":waiters", "w").split()
@@ -740,9 +777,9 @@ def test_a_release_refused_still_carries_its_script() -> None:
 
 def test_a_reentrant_release_still_held_sends_its_script_alone(r: redis.Redis, prefix: str) -> None:
     name, copy, runs = prefix + "again", prefix + "again:copy", prefix + "again:runs"
-    outer = Lock(r, name, timeout=10, reentrant=True)
+    outer = ReentrantLock(r, name, timeout=10)
     assert outer.acquire()
-    inner = Lock(r, name, timeout=10, reentrant=True)  # the same holder taking it again
+    inner = ReentrantLock(r, name, timeout=10)  # the same holder taking it again
     assert inner.acquire(blocking=False)
 
     inner.release(after=(_COPY, [copy, runs], ["inner"]))
@@ -789,7 +826,7 @@ def test_locks_released_by_another_process_in_one_call_go_to_their_waiters(
 
 
 def test_a_reentrant_lock_cannot_be_released_elsewhere(r: redis.Redis, prefix: str) -> None:
-    lock = Lock(r, prefix + "mine", timeout=10, reentrant=True)
+    lock = ReentrantLock(r, prefix + "mine", timeout=10)
     assert lock.acquire()
     with pytest.raises(LockError):
         lock.released_elsewhere()

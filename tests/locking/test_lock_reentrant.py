@@ -1,4 +1,4 @@
-"""`Lock(reentrant=True)`: the thread that holds a lock takes it again instead of waiting for
+"""`ReentrantLock`: the thread that holds a lock takes it again instead of waiting for
 itself (the articles' methodA -> methodB), counted, released when the count is back at 0."""
 
 from __future__ import annotations
@@ -6,18 +6,18 @@ from __future__ import annotations
 import threading
 import time
 
-from locking import Lock
+from locking import Lock, ReentrantLock
 
 
 def test_a_holder_takes_its_lock_again_and_keeps_it_until_the_last_release(r, prefix):
     name = prefix + "item:lock"
-    outer = Lock(r, name, timeout=5, reentrant=True)
+    outer = ReentrantLock(r, name, timeout=5)
     assert outer.acquire(blocking=False)
     token = r.get(name)
 
-    # methodB, with a Lock of its own for the same name: taken again, same owner (waiting
+    # methodB, with a ReentrantLock of its own for the same name: taken again, same owner (waiting
     # could not have got it: the outer holds it for 5 s, past the 2 s blocking timeout)
-    inner = Lock(r, name, timeout=5, reentrant=True)
+    inner = ReentrantLock(r, name, timeout=5)
     assert inner.acquire(blocking_timeout=2)
     assert r.get(name) == token and inner.owned()
 
@@ -36,21 +36,21 @@ def test_a_holder_takes_its_lock_again_and_keeps_it_until_the_last_release(r, pr
 
 def test_taking_it_again_resets_its_time_to_live(r, prefix):
     name = prefix + "item:lock"
-    outer = Lock(r, name, timeout=1, reentrant=True)
+    outer = ReentrantLock(r, name, timeout=1)
     outer.acquire()
     r.pexpire(name, 100)
-    Lock(r, name, timeout=1, reentrant=True).acquire()
+    ReentrantLock(r, name, timeout=1).acquire()
     assert 900 < r.pttl(name) <= 1000
 
 
 def test_another_thread_is_not_the_owner(r, prefix):
     name = prefix + "item:lock"
-    outer = Lock(r, name, timeout=5, reentrant=True)
+    outer = ReentrantLock(r, name, timeout=5)
     outer.acquire()
     answers: list[bool] = []
     thread = threading.Thread(
         target=lambda: answers.append(
-            Lock(r, name, timeout=5, reentrant=True).acquire(blocking_timeout=0.3)
+            ReentrantLock(r, name, timeout=5).acquire(blocking_timeout=0.3)
         )
     )
     thread.start()
@@ -61,11 +61,11 @@ def test_another_thread_is_not_the_owner(r, prefix):
 
 def test_a_lock_that_expired_is_taken_afresh_not_again(r, prefix):
     name = prefix + "item:lock"
-    outer = Lock(r, name, timeout=5, reentrant=True)
+    outer = ReentrantLock(r, name, timeout=5)
     outer.acquire()
     r.delete(name)  # it expired, say
     Lock(r, name, timeout=5).acquire()  # and someone else took it
-    inner = Lock(r, name, timeout=5, reentrant=True)
+    inner = ReentrantLock(r, name, timeout=5)
     assert not inner.acquire(blocking_timeout=0.3)  # not this thread's any more: it waits
 
 

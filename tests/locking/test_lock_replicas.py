@@ -1,5 +1,5 @@
-"""`Lock(replicas=N)`: an acquisition counts only once N replicas hold it (WAIT), on a real
-primary and replica; a lock only the primary holds is given up, not used."""
+"""`ReplicatedLock(replicas=N)`: an acquisition counts only once N replicas hold it (WAIT), on a
+real primary and replica; a lock only the primary holds is given up, not used."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from locking import Lock
+from locking import Lock, ReplicatedLock
 from shop.processes.redis_server import RedisServer
 
 
@@ -25,7 +25,7 @@ def primary_and_replica():
 
 def test_an_acquire_counts_once_the_replica_holds_the_lock(primary_and_replica):
     primary, replica = primary_and_replica
-    lock = Lock(primary.client(socket_timeout=5), "item:lock", timeout=5, replicas=1)
+    lock = ReplicatedLock(primary.client(socket_timeout=5), "item:lock", timeout=5, replicas=1)
 
     assert lock.acquire(blocking=False)
 
@@ -40,7 +40,7 @@ def test_a_lock_no_replica_acknowledges_is_given_up_and_handed_on(primary_and_re
     client = primary.client(socket_timeout=5)
     replica.pause()  # it acknowledges nothing
     try:
-        lock = Lock(client, "item:lock", timeout=5, replicas=1, replica_timeout=0.2)
+        lock = ReplicatedLock(client, "item:lock", timeout=5, replicas=1, replica_timeout=0.2)
         asked = time.monotonic()
         assert not lock.acquire(blocking=False)
         assert time.monotonic() - asked > 0.15  # it waited for the replica, in vain
@@ -48,7 +48,7 @@ def test_a_lock_no_replica_acknowledges_is_given_up_and_handed_on(primary_and_re
         assert client.get("item:lock") is None
         assert Lock(client, "item:lock", timeout=5).acquire(blocking=False)
         # and more replicas than there are is never enough
-        two = Lock(client, "other:lock", timeout=5, replicas=2, replica_timeout=0.1)
+        two = ReplicatedLock(client, "other:lock", timeout=5, replicas=2, replica_timeout=0.1)
         assert not two.acquire(blocking=False)
     finally:
         replica.resume()
@@ -68,6 +68,7 @@ def test_a_plain_lock_does_not_wait_for_the_replica(primary_and_replica):
     ("options", "message"),
     [
         ({"timeout": 5, "replicas": -1}, "replicas must be"),
+        ({"timeout": 5, "replicas": 0}, "replicas must be"),
         ({"timeout": 5, "replicas": True}, "replicas must be"),
         ({"timeout": 5, "replicas": "1"}, "replicas must be"),
         ({"replicas": 1}, "needs a timeout"),
@@ -76,4 +77,4 @@ def test_a_plain_lock_does_not_wait_for_the_replica(primary_and_replica):
 )
 def test_bad_replica_options_are_refused(r, options, message):
     with pytest.raises(ValueError, match=message):
-        Lock(r, "item:lock", **options)
+        ReplicatedLock(r, "item:lock", **options)

@@ -15,7 +15,7 @@ import uuid
 
 import redis
 
-from locking import Lock
+from locking import Lock, WakeHubLock
 from locking.wakes import hub_for
 from tests.support import redis_url, run_in_thread
 
@@ -60,7 +60,7 @@ def _queue_waiters(
     granted: list[bytes] = []
 
     def wait(token: bytes) -> bool:
-        lock = Lock(client, name, timeout=30, wake_hub=hub)
+        lock = WakeHubLock(client, name, timeout=30, hub_prefix=hub)
         if not lock.acquire(blocking_timeout=60, token=token):
             return False
         granted.append(token)
@@ -79,7 +79,7 @@ def test_a_thousand_waiters_share_the_pools_connections_and_get_the_lock_in_turn
     client_name = f"hub-{uuid.uuid4().hex[:8]}"
     client = _bounded_client(client_name, 4)
     name, hub = prefix + "crowded", prefix + "wakes"
-    holder = Lock(client, name, timeout=30, wake_hub=hub)
+    holder = WakeHubLock(client, name, timeout=30, hub_prefix=hub)
     assert holder.acquire()
     try:
         # When a thousand threads of it queue for the lock
@@ -116,7 +116,7 @@ def test_the_holder_of_a_two_connection_pool_releases_at_once_past_its_waiters(
     client_name = f"hub-{uuid.uuid4().hex[:8]}"
     client = _bounded_client(client_name, 2)
     name, hub = prefix + "two", prefix + "wakes"
-    holder = Lock(client, name, timeout=30, wake_hub=hub)
+    holder = WakeHubLock(client, name, timeout=30, hub_prefix=hub)
     assert holder.acquire()
     try:
         _, threads, granted = _queue_waiters(client, r, name, 2, hub)
@@ -138,7 +138,7 @@ def test_waiters_get_the_lock_when_the_hubs_connection_is_killed(
     client_name = f"hub-{uuid.uuid4().hex[:8]}"
     client = redis.Redis.from_url(redis_url(), client_name=client_name)
     name, hub = prefix + "killed", prefix + "wakes"
-    holder = Lock(client, name, timeout=30, wake_hub=hub)
+    holder = WakeHubLock(client, name, timeout=30, hub_prefix=hub)
     assert holder.acquire()
     try:
         _, threads, granted = _queue_waiters(client, r, name, 5, hub)
@@ -160,7 +160,7 @@ def test_waiters_get_the_lock_when_the_hubs_connection_is_killed(
 
 
 def _wait_in_child(client: redis.Redis, name: str, hub: str, results) -> None:
-    lock = Lock(client, name, timeout=30, wake_hub=hub)
+    lock = WakeHubLock(client, name, timeout=30, hub_prefix=hub)
     got = lock.acquire(blocking_timeout=20)
     results.put((got, hub_for(client, hub).delivered))
     if got:
@@ -173,7 +173,7 @@ def test_a_forked_child_waits_through_a_hub_of_its_own(r: redis.Redis, prefix: s
     name, hub = prefix + "forked", prefix + "wakes"
     holder = Lock(client, name, timeout=30)
     assert holder.acquire()
-    waiter = Lock(client, name, timeout=30, wake_hub=hub, thread_local=False)
+    waiter = WakeHubLock(client, name, timeout=30, thread_local=False, hub_prefix=hub)
     thread, outcome = run_in_thread(lambda: waiter.acquire(blocking_timeout=10))
     assert _wait_until(lambda: len(_queue(r, name)) == 1)
     holder.release()
