@@ -65,7 +65,6 @@ class LockStrategy(StockStrategy):
             if not acquire_lock(lock):
                 raise Busy(
                     f"{item.sku}: lock still held after {settings.FLASHSALE_LOCK_WAIT_MS} ms",
-                    retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
                 )
             try:
                 simulate_work()
@@ -75,7 +74,6 @@ class LockStrategy(StockStrategy):
                 metrics.LOCKS_LOST.labels(self.name, "fenced").inc()
                 raise LockLost(
                     f"lock lost before commit: {refused}",
-                    retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
                 ) from None
             finally:
                 release_quietly(lock)
