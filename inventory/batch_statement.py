@@ -37,7 +37,7 @@ def sell_batch(requests: list[SaleRequest]) -> list[Written]:
     later token; its `SOLD` answer carries its rows' levels after the batch, and when the batch
     is refused it is answered `AGAIN`, written nowhere: its holder writes it itself. Raises
     RowLockTimeout when a row stayed locked by another transaction past
-    FLASHSALE_ROW_LOCK_TIMEOUT_MS or the checkout's deadline (then nothing of the batch is
+    ROW_LOCK_TIMEOUT_MS or the checkout's deadline (then nothing of the batch is
     written). Outside a transaction it commits on return; inside one, its sales are part of
     that transaction (a refusal rolls back to a savepoint of its own).
 

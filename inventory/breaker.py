@@ -25,6 +25,13 @@ from .redis_client import REDIS_DOWN_ERRORS, get_redis_client, ping
 
 logger = logging.getLogger(__name__)
 
+#: How often an open breaker tries Redis again (seconds): a second of checkouts through the
+#: fallback after Redis is back costs little, and a probe a second costs a dead Redis nothing.
+PROBE_SECONDS = 1.0
+#: How often a process tries publishing again while the broker is down (seconds): the order
+#: rows are the outbox, which the sweeper publishes again, so trying seldom loses no order.
+BROKER_PROBE_SECONDS = 5.0
+
 
 class CircuitBreaker:
     def __init__(
@@ -218,12 +225,14 @@ def _probe_redis() -> None:
 breaker = CircuitBreaker(
     "Redis",
     metric="redis",
-    probe_seconds=lambda: settings.FLASHSALE_BREAKER_PROBE_SECONDS,
+    probe_seconds=lambda: getattr(settings, "FLASHSALE_BREAKER_PROBE_SECONDS", PROBE_SECONDS),
     probe=_probe_redis,
     probe_errors=REDIS_DOWN_ERRORS,
 )
 
 #: This process's breaker in front of the Celery broker; the next publish is the trial.
 broker_breaker = CircuitBreaker(
-    "Celery broker", metric="broker", probe_seconds=lambda: settings.FLASHSALE_BROKER_PROBE_SECONDS
+    "Celery broker",
+    metric="broker",
+    probe_seconds=lambda: getattr(settings, "FLASHSALE_BROKER_PROBE_SECONDS", BROKER_PROBE_SECONDS),
 )

@@ -72,5 +72,4 @@ def passed(sku: str) -> Busy:
     return Busy(
         f"{sku}: no answer within the checkout's deadline "
         f"({settings.FLASHSALE_CHECKOUT_DEADLINE_MS} ms); nothing was sold",
-        retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
     )

@@ -53,13 +53,18 @@ class LimitReached(CheckoutError):
         self.limit = limit
 
 
+#: Seconds a buyer answered `503 busy` is told to wait (Retry-After): long enough that a crowd
+#: retrying at once does not refill the queue it just left, short for a sale that lasts seconds.
+BUSY_RETRY_AFTER = 1
+
+
 class Busy(CheckoutError):
     """Contention outlasted the wait; nothing was taken. Safe to retry after `retry_after`."""
 
     code = "busy"
     status = 503
 
-    def __init__(self, detail: str, *, retry_after: int = 1) -> None:
+    def __init__(self, detail: str, *, retry_after: int = BUSY_RETRY_AFTER) -> None:
         super().__init__(detail)
         self.retry_after = retry_after
 

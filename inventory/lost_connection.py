@@ -13,7 +13,6 @@ import time
 import uuid
 from typing import Any
 
-from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
@@ -89,7 +88,6 @@ def resolve(public_ids: list[str], backend_pid: int | None) -> dict[str, int]:
     if not found:
         raise NotWritten(
             "the database connection was lost mid-statement, and the sale was not committed",
-            retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
         )
     # PostgreSQL spells a uuid in lower case; a request may have spelt it otherwise.
     return {

@@ -48,6 +48,13 @@ logger = logging.getLogger(__name__)
 OPEN_STATUSES = (OrderStatus.PENDING, OrderStatus.PAID)
 #: Statuses whose units went back to the item.
 RETURNED_STATUSES = (OrderStatus.FAILED, OrderStatus.EXPIRED)
+#: How many payments a worker process waits on at once, whatever batches they belong to:
+#: threads that only wait (no database connection each), so that a batch's payments overlap
+#: instead of queueing one behind the other.
+PAYMENT_CONCURRENCY = 128
+#: Open orders untouched this long (seconds) are published again by the sweeper: far longer
+#: than a worker takes to settle a batch, so a message still in flight is rarely sent twice.
+REQUEUE_AFTER_SECONDS = 30
 
 
 def enqueue_order(order_pk: int) -> bool:
@@ -103,13 +110,14 @@ class _Payments:
         self._lock = threading.Lock()
 
     def charge_all(self, order_pks: list[int]) -> list[bool]:
-        if len(order_pks) <= 1 or settings.FLASHSALE_PAYMENT_CONCURRENCY <= 1:
+        concurrency = getattr(settings, "FLASHSALE_PAYMENT_CONCURRENCY", PAYMENT_CONCURRENCY)
+        if len(order_pks) <= 1 or concurrency <= 1:
             return [charge(pk) for pk in order_pks]
         with self._lock:
             if self._pool is None or self._pid != os.getpid():
                 self._pid = os.getpid()
                 self._pool = ThreadPoolExecutor(
-                    max_workers=settings.FLASHSALE_PAYMENT_CONCURRENCY,
+                    max_workers=concurrency,
                     thread_name_prefix="payment",
                 )
             pool = self._pool
@@ -157,7 +165,7 @@ def settle_orders(order_pks: list[int]) -> Settled:
     one checkout message carries.
 
     The batch's open orders are locked (in key order, so two overlapping batches cannot
-    deadlock), their payments run at once on the payment threads (FLASHSALE_PAYMENT_CONCURRENCY),
+    deadlock), their payments run at once on the payment threads (PAYMENT_CONCURRENCY),
     and one commit records every attempt and moves every order: approved ones to confirmed, in
     one statement with the attempts; declined ones to failed, their units given back. An order
     paid by an earlier delivery is confirmed without paying again. A worker killed mid-batch
@@ -322,7 +330,8 @@ def sweep_orders(*, now=None, batch: int = 1000) -> SweepReport:
     for order_pk in overdue.order_by("pk").values_list("pk", flat=True)[:batch]:
         if expire_order(order_pk):
             report.expired.append(order_pk)
-    requeue_cutoff = now - timedelta(seconds=settings.FLASHSALE_REQUEUE_AFTER_SECONDS)
+    requeue_after = getattr(settings, "FLASHSALE_REQUEUE_AFTER_SECONDS", REQUEUE_AFTER_SECONDS)
+    requeue_cutoff = now - timedelta(seconds=requeue_after)
     stale = Order.objects.filter(
         Q(requeued_at__isnull=True) | Q(requeued_at__lt=requeue_cutoff),
         status__in=OPEN_STATUSES,

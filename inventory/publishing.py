@@ -29,6 +29,10 @@ PROCESS_ORDER_TASK = "inventory.tasks.process_order_task"
 SETTLE_ORDERS_TASK = "inventory.tasks.settle_orders_task"
 GIVE_BACK_TASK = "inventory.tasks.give_back_task"
 
+#: Most orders in one message, which a worker settles as one batch: a bound on a message's
+#: size and on how long one batch's transaction holds its orders' rows (docs/decisions/0008).
+PUBLISH_BATCH = 200
+
 
 def publish(task: str, argument: int | list[int], *, what: str) -> bool:
     """Send task(argument) through the broker breaker; False (and logged) if the broker is down.
@@ -103,7 +107,7 @@ class OrderPublisher:
                 # end of a multiprocessing child (granian's workers are).
                 multiprocessing_util.Finalize(None, self.flush_on_exit, exitpriority=10)
             self._pending += order_pks
-            if len(self._pending) >= settings.FLASHSALE_PUBLISH_BATCH:
+            if len(self._pending) >= PUBLISH_BATCH:
                 self._wake.set()
 
     def _run(self) -> None:
@@ -142,7 +146,7 @@ class OrderPublisher:
     def _send_pending(self) -> int:
         with self._lock:
             batch, self._pending = self._pending, []
-        size = settings.FLASHSALE_PUBLISH_BATCH
+        size = PUBLISH_BATCH
         sent = 0
         for start in range(0, len(batch), size):
             chunk = batch[start : start + size]
@@ -155,9 +159,9 @@ class OrderPublisher:
 
 def hand_over(order_pks: list[int], publisher: OrderPublisher) -> None:
     """Hand just-committed orders to the workers: through `publisher`, or with an interval of
-    0, at once, one message per FLASHSALE_PUBLISH_BATCH orders."""
+    0, at once, one message per PUBLISH_BATCH orders."""
     if settings.FLASHSALE_PUBLISH_INTERVAL_MS <= 0:
-        size = settings.FLASHSALE_PUBLISH_BATCH
+        size = PUBLISH_BATCH
         for start in range(0, len(order_pks), size):
             publish_orders(order_pks[start : start + size])
     else:

@@ -47,7 +47,7 @@ def get_redis_client() -> Any:
         with _clients_lock:
             client = _clients.get(key)
             if client is None:
-                options = {
+                options: dict[str, Any] = {
                     "socket_timeout": settings.REDIS_SOCKET_TIMEOUT,
                     "socket_connect_timeout": settings.REDIS_CONNECT_TIMEOUT,
                     "retry": Retry(NoBackoff(), 0),

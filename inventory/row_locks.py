@@ -1,6 +1,6 @@
 """How a writer waits for a stock row: each wait bounded, and the writer gates.
 
-A row-lock wait never outlasts FLASHSALE_ROW_LOCK_TIMEOUT_MS, nor what is left of the
+A row-lock wait never outlasts ROW_LOCK_TIMEOUT_MS, nor what is left of the
 checkout's deadline (`row_lock_wait`); past it the statement raises RowLockTimeout and writes
 nothing. A writer gate is a PostgreSQL advisory lock per row, held to the commit: the writers
 that decide by no lock (`optimistic`, the fallback) try it before they write (never waiting:
@@ -11,7 +11,6 @@ docs/decisions/0002-units-off-the-hot-row.md.
 
 from __future__ import annotations
 
-from django.conf import settings
 from django.db import OperationalError, connection
 
 from . import deadline
@@ -24,6 +23,11 @@ from .sale_values import RowLockTimeout, StockRow
 GATE_ITEM_ROW = 0x46530001
 GATE_STOCK_ROW = 0x46530002
 
+#: The longest a writer waits for a stock row another transaction holds (ms): a row held
+#: longer than a few seconds is held by something stuck, and the checkout's deadline (3 s by
+#: default) cuts the wait shorter anyway.
+ROW_LOCK_TIMEOUT_MS = 3000
+
 
 def gate(row: int, index: int | None = None) -> tuple[int, int]:
     """The advisory lock of a row's writer gate: the item row `row`, or stock row `index` of
@@ -35,21 +39,19 @@ def gate(row: int, index: int | None = None) -> tuple[int, int]:
 
 def row_lock_wait(sku: str) -> str:
     """How long a statement may wait for a row lock, as `lock_timeout` takes it:
-    FLASHSALE_ROW_LOCK_TIMEOUT_MS, or what is left of the checkout's deadline if less (Busy
+    ROW_LOCK_TIMEOUT_MS, or what is left of the checkout's deadline if less (Busy
     when none is)."""
-    return f"{deadline.wait_ms(settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS, sku=sku)}ms"
+    return f"{deadline.wait_ms(ROW_LOCK_TIMEOUT_MS, sku=sku)}ms"
 
 
 def lock_stock_row(item_id: int) -> StockRow:
     """Read the item's stock holding its row lock until the transaction ends.
 
-    Call inside a transaction. Waits at most FLASHSALE_ROW_LOCK_TIMEOUT_MS, then raises
+    Call inside a transaction. Waits at most ROW_LOCK_TIMEOUT_MS, then raises
     RowLockTimeout (the transaction is then unusable: let it roll back).
     """
     with connection.cursor() as cursor:
-        cursor.execute(
-            f"SET LOCAL lock_timeout = '{int(settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS)}ms'"
-        )
+        cursor.execute(f"SET LOCAL lock_timeout = '{int(ROW_LOCK_TIMEOUT_MS)}ms'")
     try:
         stock, version = (
             Item.objects.select_for_update().values_list("stock", "version").get(pk=item_id)
@@ -61,7 +63,7 @@ def lock_stock_row(item_id: int) -> StockRow:
 
 def wait_for_gates(item: Item) -> None:
     """Take the writer gates of every row `item`'s current sale sells from (its stock rows in
-    index order, else the item row), waiting for each at most FLASHSALE_ROW_LOCK_TIMEOUT_MS
+    index order, else the item row), waiting for each at most ROW_LOCK_TIMEOUT_MS
     (then RowLockTimeout). Call inside a transaction: they are held until it ends, and its
     gated sale statements find them held already."""
     if item.shard_count:
@@ -70,9 +72,7 @@ def wait_for_gates(item: Item) -> None:
     else:
         gates = [gate(item.pk)]
     with connection.cursor() as cursor:
-        cursor.execute(
-            f"SET LOCAL lock_timeout = '{int(settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS)}ms'"
-        )
+        cursor.execute(f"SET LOCAL lock_timeout = '{int(ROW_LOCK_TIMEOUT_MS)}ms'")
         try:
             for namespace, key in gates:
                 cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", [namespace, key])

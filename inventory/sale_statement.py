@@ -173,7 +173,7 @@ def sell(order: SaleRecorder, allocation: Allocation) -> Sold | None:
 
     Raises IntegrityError when the allowance would pass the limit (constraint
     `allowance_within_limit`) or the idempotency key is taken, and RowLockTimeout when a row
-    it must write stayed locked by another transaction for FLASHSALE_ROW_LOCK_TIMEOUT_MS (then
+    it must write stayed locked by another transaction for ROW_LOCK_TIMEOUT_MS (then
     nothing is written). Outside a transaction the statement commits on return; inside one it
     is part of it, and the lock timeout it sets holds until that transaction ends.
     """

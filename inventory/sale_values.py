@@ -152,7 +152,7 @@ WAITED_TOO_LONG = frozenset({SqlState.LOCK_NOT_AVAILABLE, SqlState.QUERY_CANCELE
 
 class RowLockTimeout(Exception):
     """A row the sale needs (the item's, a shard's, the buyer's allowance) stayed locked longer
-    than FLASHSALE_ROW_LOCK_TIMEOUT_MS: another transaction holds it."""
+    than ROW_LOCK_TIMEOUT_MS: another transaction holds it."""
 
 
 class SaleRestarted(Exception):

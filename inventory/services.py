@@ -22,7 +22,7 @@ from django.db import (
 )
 from django.db.models import F
 
-from . import keys, metrics, stock
+from . import keys, metrics, row_locks, stock
 from .deadline import checkout_deadline
 from .exceptions import (
     Busy,
@@ -112,7 +112,6 @@ def place_order(
             what = "rolled the sale back" if sqlstate.startswith("40") else "is not answering"
             raise Busy(
                 f"{sku}: the database {what} ({exc.__class__.__name__}); nothing was sold",
-                retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
             ) from None
 
 
@@ -149,7 +148,6 @@ def _sell(*, sku: str, qty: int, buyer: str, idempotency_key: str | None) -> Ord
     except SaleRestarted:
         raise Busy(
             f"{sku}: its sale was restarted during the checkout",
-            retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
         ) from None
 
 
@@ -177,8 +175,7 @@ def _sell_once(
     except RowLockTimeout:
         raise Busy(
             f"{sku}: its stock rows stayed locked by another transaction for "
-            f"{settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS} ms",
-            retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+            f"{row_locks.ROW_LOCK_TIMEOUT_MS} ms",
         ) from None
     except IntegrityError as exc:
         if _violated_constraint(exc) == ALLOWANCE_LIMIT_CONSTRAINT:
@@ -196,13 +193,17 @@ class Opening:
     opens_after: float
 
 
+#: How long a checkout may use an item read by an earlier one (ms), for the strategies that
+#: allow it: a second saves a crowd's checkouts their item read, and a sale restarted within
+#: it is noticed by the write all the same (SaleRestarted).
+ITEM_MEMORY_MS = 1000
 #: sku -> (monotonic expiry, item, its sale's opening): items whose strategy may sell from an
 #: item read a moment ago (`StockStrategy.item_may_be_remembered`).
 _remembered: dict[str, tuple[float, Item, Opening | None]] = {}
 
 
 def _remembered_item(sku: str) -> tuple[Item, Opening | None] | None:
-    """checkout_item(sku), or the same read made less than FLASHSALE_ITEM_MEMORY_MS ago.
+    """checkout_item(sku), or the same read made less than ITEM_MEMORY_MS ago.
 
     Only for an item whose strategy decides from state kept per sale (Redis counters of the
     sale, rows of the sale) and whose write refuses a sale that is no longer current: a
@@ -214,7 +215,7 @@ def _remembered_item(sku: str) -> tuple[Item, Opening | None] | None:
     if entry is not None and entry[0] > now:
         return entry[1], entry[2]
     found = checkout_item(sku)
-    memory = settings.FLASHSALE_ITEM_MEMORY_MS
+    memory = ITEM_MEMORY_MS
     if found is not None and memory > 0 and _may_remember(found[0]):
         _remembered[sku] = (now + memory / 1000, *found)
     else:

@@ -5,7 +5,8 @@ keep the shop's sweeper busy.
 - database `<the shop's>_loadrun` on the same PostgreSQL, created and migrated on first use;
 - Redis keys under `<FLASHSALE_REDIS_PREFIX>-loadrun`, order tasks on `<queue>-loadrun`;
 - only the SaleRun records, which the admin's compare page shows, go to the shop's database:
-  `FLASHSALE_RUNS_DATABASE_URL` names it and `RunsRouter` sends SaleRun there.
+  `FLASHSALE_RUNS_DATABASE_URL` names it (a seam of the lab settings, `shop.lab_settings`, which
+  a sandboxed process runs) and `RunsRouter` sends SaleRun there.
 
 A process enters the sandbox by starting again with the sandbox's environment (`enter`), so
 that everything it starts (the web server, the Celery worker, buyer processes) inherits it.
@@ -29,6 +30,8 @@ from shop.nodatabase import base as nodatabase
 
 #: Set (to "1") in a sandboxed process's environment.
 MARK = "FLASHSALE_SANDBOX"
+#: The settings a sandboxed process runs: the shop's, plus the seams the lab sets.
+SETTINGS_MODULE = "shop.lab_settings"
 SUFFIX = "_loadrun"
 #: PostgreSQL's longest identifier.
 NAME_LIMIT = 63
@@ -60,6 +63,7 @@ def environment(base: Mapping[str, str]) -> dict[str, str]:
     return {
         **base,
         MARK: "1",
+        "DJANGO_SETTINGS_MODULE": SETTINGS_MODULE,
         "DATABASE_URL": sandbox_url,
         "FLASHSALE_RUNS_DATABASE_URL": url,
         "FLASHSALE_REDIS_PREFIX": settings.FLASHSALE_REDIS_PREFIX + "-loadrun",

@@ -15,7 +15,6 @@ import uuid
 from collections.abc import Callable
 
 import redis
-from django.conf import settings
 
 from inventory import keys
 from inventory.exceptions import Busy, SoldOut
@@ -90,9 +89,7 @@ class TrustingLockStrategy(LockStrategy):
     def take(self, *, item: Item, qty: int, record: RecordOrder) -> Order:
         lock = new_lock(keys.item_lock(item), strategy=self.name)
         if not acquire_lock(lock):
-            raise Busy(
-                f"{item.sku}: lock still held", retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER
-            )
+            raise Busy(f"{item.sku}: lock still held")
         try:
             seen = read_stock(item.pk).stock
             if seen < qty:

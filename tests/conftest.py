@@ -118,7 +118,11 @@ test_database_url.__test__ = False  # a helper, not a test
 
 
 def server_env(**overrides: object) -> dict[str, str]:
+    """The environment of a process the tests start: on the test database, the session's Redis
+    keys and task queue, under the lab settings (shop.lab_settings), so that `overrides` may
+    set the lab's seams as well as the shop's settings."""
     env = {
+        "DJANGO_SETTINGS_MODULE": "shop.lab_settings",
         "DATABASE_URL": test_database_url(),
         "REDIS_URL": settings.REDIS_URL,
         "FLASHSALE_REDIS_PREFIX": REDIS_PREFIX,
@@ -129,14 +133,14 @@ def server_env(**overrides: object) -> dict[str, str]:
         "FLASHSALE_API_TOKEN": TEST_API_TOKEN,
     }
     env.update({key: str(value) for key, value in overrides.items()})
-    env.pop("DJANGO_SETTINGS_MODULE", None)
     return env
 
 
 def start_shop(*, kind: str = "granian", threads: int = 4, **overrides: object) -> ShopServer:
     """A real server of the shop on the test database (granian, as the shop runs, three workers
     of four threads unless FLASHSALE_TEST_SERVER_WORKERS says otherwise): `kind` and `threads`
-    as `ShopServer` takes them; `overrides` are settings (environment variables) of its own."""
+    as `ShopServer` takes them; `overrides` are settings or seams (environment variables) of
+    its own."""
     workers = int(os.environ.get("FLASHSALE_TEST_SERVER_WORKERS", "3"))
     return ShopServer(
         env=server_env(**overrides), workers=workers, kind=kind, threads=threads

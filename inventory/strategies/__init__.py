@@ -1,4 +1,4 @@
-"""Stock strategies, picked by name per item (settings.FLASHSALE_STRATEGIES maps names to classes).
+"""Stock strategies, picked by name per item (STRATEGIES maps names to classes).
 
 Callers ask `get_strategy(name)` and never branch on the name: a strategy that needs Redis comes
 wrapped in the database fallback.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from functools import cache
 
-from django.conf import settings
 from django.utils.module_loading import import_string
 
 from ..breaker import breaker
@@ -19,6 +18,7 @@ from .fallback import RedisWithFallback
 __all__ = [
     "Allocation",
     "RecordOrder",
+    "STRATEGIES",
     "StockStrategy",
     "get_strategy",
     "oversells",
@@ -27,11 +27,20 @@ __all__ = [
     "strategy_names",
 ]
 
+#: Every strategy by the name the CLI, the API, the admin and reports use: dotted paths, each
+#: module imported on its first use, as Django names a backend.
+STRATEGIES = {
+    "lock": "inventory.strategies.lock.LockStrategy",
+    "segmented": "inventory.strategies.segmented.SegmentedStrategy",
+    "lua": "inventory.strategies.lua.LuaStrategy",
+    "optimistic": "inventory.strategies.optimistic.OptimisticStrategy",
+    "unsafe": "inventory.strategies.unsafe.UnsafeStrategy",
+}
 FALLBACK_STRATEGY = "optimistic"
 
 
 def strategy_names() -> list[str]:
-    return list(settings.FLASHSALE_STRATEGIES)
+    return list(STRATEGIES)
 
 
 def safe_strategy_names() -> list[str]:
@@ -41,7 +50,7 @@ def safe_strategy_names() -> list[str]:
 
 def oversells(name: str) -> bool:
     """Whether `name` may oversell by design; False for anything that is no strategy."""
-    return name in settings.FLASHSALE_STRATEGIES and _bare_strategy(name).oversells
+    return name in STRATEGIES and _bare_strategy(name).oversells
 
 
 def strategy_label(name: str) -> str:
@@ -51,7 +60,7 @@ def strategy_label(name: str) -> str:
 @cache
 def _bare_strategy(name: str) -> StockStrategy:
     try:
-        path = settings.FLASHSALE_STRATEGIES[name]
+        path = STRATEGIES[name]
     except KeyError:
         raise ValueError(
             f"unknown strategy {name!r}; choose one of {', '.join(strategy_names())}"

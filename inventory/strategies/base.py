@@ -93,7 +93,7 @@ class StockStrategy(ABC):
     counts_in_redis: bool = False
     #: How many stock rows the strategy keeps for an item's sale (0: the item row alone).
     shard_count: int = 0
-    #: Whether a checkout may use an item read a moment ago (FLASHSALE_ITEM_MEMORY_MS): true
+    #: Whether a checkout may use an item read a moment ago (`services.ITEM_MEMORY_MS`): true
     #: when everything the strategy decides with is kept per sale and checked at the write,
     #: and it raises `inventory.sale_values.SaleRestarted` when it finds the sale restarted.
     item_may_be_remembered: bool = False

@@ -67,7 +67,6 @@ class LockStrategy(StockStrategy):
             if not acquire_lock(lock):
                 raise Busy(
                     f"{item.sku}: lock still held after {settings.FLASHSALE_LOCK_WAIT_MS} ms",
-                    retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
                 )
             try:
                 simulate_work()
@@ -77,7 +76,6 @@ class LockStrategy(StockStrategy):
                 metrics.LOCKS_LOST.labels(self.name, "fenced").inc()
                 raise LockLost(
                     f"lock lost before commit: {refused}",
-                    retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
                 ) from None
             finally:
                 release_quietly(lock)

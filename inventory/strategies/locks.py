@@ -5,7 +5,8 @@ counted in the metrics by strategy.
 `acquire_lock` remembers a lock a Redis failure left in doubt (released on recovery,
 `inventory.breaker`); `release_quietly` absorbs what fails after the commit;
 `lock_wait_seconds` tells the API how long a checkout waited. The lock itself is
-`locking.Lock` (or, for the benchmark's peer rows, FLASHSALE_LOCK_FACTORY's).
+`locking.Lock` (or, for the benchmark's and the lab's peer locks, FLASHSALE_LOCK_FACTORY's:
+a seam of shop.lab_settings).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from functools import lru_cache, partial
 from typing import Any
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from locking import Lock, LockNotOwnedError, QuorumLock, WakeHubLock
@@ -33,6 +35,12 @@ from ..redis_client import REDIS_DOWN_ERRORS, get_lock_clients, get_redis_client
 
 logger = logging.getLogger(__name__)
 
+
+#: Whether this process's lock waiters wait through one wake-up channel (`locking.wakes`: one
+#: list, one connection), so that its connections do not grow with its waiters. Off: each
+#: waiter blocks on a connection of its own, which a process with a few waiters at a time (the
+#: shop's workers of four threads) hands over faster (docs/decisions/0013). A single Redis only.
+WAKE_HUB = False
 
 #: The strategy and grant time of each lock this process holds or made (for its metrics).
 _lock_strategy: weakref.WeakKeyDictionary[Lock, str] = weakref.WeakKeyDictionary()
@@ -49,31 +57,39 @@ def new_lock(name: str, *, strategy: str, quorum: bool = False, peers: bool = Fa
     and releases them by `locking.Lock`'s own scripts). A factory
     takes (client, name, *, timeout, blocking_timeout, watchdog) and returns an object with
     Lock's acquire(token=...), release(), owned(), `local.token`, `name` and `lost`. Ours
-    waits through the process's wake hub (`locking.WakeHubLock`) when FLASHSALE_LOCK_WAKE_HUB
-    is on.
+    waits through the process's wake hub (`locking.WakeHubLock`) when WAKE_HUB is on.
     `quorum` (the `lock` strategy's item lock): held on a majority of REDIS_LOCK_URLS' masters
     instead (`locking.QuorumLock`, its fences from the database), when that lists any.
     """
+    # The lab turns the watchdog off to show a lock expiring under its holder.
+    watchdog = getattr(settings, "FLASHSALE_LOCK_WATCHDOG", True)
     if quorum and settings.REDIS_LOCK_URLS:
         held: Any = QuorumLock(
             get_lock_clients(),
             name,
             timeout=settings.FLASHSALE_LOCK_TTL_MS / 1000,
             blocking_timeout=settings.FLASHSALE_LOCK_WAIT_MS / 1000,
-            watchdog=settings.FLASHSALE_LOCK_WATCHDOG,
+            watchdog=watchdog,
             fence_source=next_fence,
         )
         _lock_strategy[held] = strategy
         return held
-    factory = _lock_factory(settings.FLASHSALE_LOCK_FACTORY) if peers else Lock
-    if settings.FLASHSALE_LOCK_WAKE_HUB and factory is Lock:
+    factory_path = getattr(settings, "FLASHSALE_LOCK_FACTORY", "locking.Lock")
+    factory = _lock_factory(factory_path) if peers else Lock
+    if WAKE_HUB and factory is Lock:
+        if settings.REDIS_CLUSTER_NODES:
+            raise ImproperlyConfigured(
+                "WAKE_HUB cannot be used with REDIS_CLUSTER_NODES: a release pushes the "
+                "hand-over onto the hub's one list, which lives in one slot, while the locks "
+                "live in many"
+            )
         factory = partial(WakeHubLock, hub_prefix=keys.key("lock-wakes"))
     lock = factory(
         get_redis_client(),
         name,
         timeout=settings.FLASHSALE_LOCK_TTL_MS / 1000,
         blocking_timeout=settings.FLASHSALE_LOCK_WAIT_MS / 1000,
-        watchdog=settings.FLASHSALE_LOCK_WATCHDOG,
+        watchdog=watchdog,
     )
     _lock_strategy[lock] = strategy
     return lock
@@ -101,9 +117,7 @@ def ensure_still_held(lock: Lock, sku: str) -> None:
     """
     if lock.lost and not lock.owned():
         metrics.LOCKS_LOST.labels(_lock_strategy.get(lock, "none"), "watchdog").inc()
-        raise LockLost(
-            f"{sku}: lock lost before commit", retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER
-        )
+        raise LockLost(f"{sku}: lock lost before commit")
 
 
 def fence_of(lock: Lock) -> int | None:

@@ -1,6 +1,6 @@
 """`lua`: one atomic script takes the units from Redis counters; no lock at all.
 
-The sale's units live in stock rows (stripes: FLASHSALE_STRIPES rows in the database, one Redis
+The sale's units live in stock rows (stripes: STRIPES rows in the database, one Redis
 counter each). The script takes the units from one counter that holds them all, the counters
 tried in turn, so concurrent buyers land on different rows; the database write that follows
 decrements that row only, guarded by `stock >= units`. No database row is written by every
@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 #: Takes tried before a buyer refused by the database is told sold out (or busy).
 ATTEMPTS = 2
+#: Stock rows (stripes) of a sale, one Redis counter each: ten spread the database writes of
+#: concurrent buyers over ten rows, few enough for one script to try every counter.
+STRIPES = 10
 
 T = TypeVar("T")
 
@@ -86,7 +89,6 @@ def _taken(item: Item, take: Callable[[], T | None]) -> T:
             if now >= min(give_up, deadline.current()):
                 raise Busy(
                     f"{item.sku}: a checkout with the same idempotency key is still in flight",
-                    retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
                 ) from None
             time.sleep(pause)  # the twin needs a statement or two: a few ms
             pause = min(pause * 2, 0.02)
@@ -249,7 +251,7 @@ class LuaStrategy(StockStrategy):
     label = "atomic check-and-DECRBY script over the stripe counters"
     uses_redis = True
     counts_in_redis = True
-    shard_count = settings.FLASHSALE_STRIPES
+    shard_count = STRIPES
     # Its counters and rows are the sale's own, and its write refuses a sale restarted since:
     # a checkout may use an item read a moment ago, and a sold-out answer costs no database
     # round trip.
@@ -299,7 +301,6 @@ class LuaStrategy(StockStrategy):
             back_off(attempt)
         raise Busy(
             f"{item.sku}: its stock rows kept changing under the checkout",
-            retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
         )
 
     @staticmethod

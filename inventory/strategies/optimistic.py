@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from django.conf import settings
 from django.db import transaction
 
 from ..exceptions import Busy, SoldOut
@@ -13,6 +12,11 @@ from ..stock import plan_rows, read_stock, shard_stocks
 from .base import RecordOrder, StockStrategy
 from .waits import back_off, simulate_work
 
+#: Version-checked attempts before one that queues for the rows' gates: enough that a loser
+#: under ordinary contention wins by retrying, few enough that under a flood it queues
+#: before its back-offs add up to the checkout's deadline.
+MAX_ATTEMPTS = 20
+
 
 class OptimisticStrategy(StockStrategy):
     """Version-checked write with bounded, jittered retries; also the fallback for Redis.
@@ -22,8 +26,8 @@ class OptimisticStrategy(StockStrategy):
     find, once let in, that the version it read has changed). However many processes fall
     back, at most one connection of theirs is on a row at a time.
 
-    After FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS lost races, one last attempt waits for the rows'
-    gates, then their row locks (at most FLASHSALE_ROW_LOCK_TIMEOUT_MS each, else `503 busy`):
+    After MAX_ATTEMPTS lost races, one last attempt waits for the rows'
+    gates, then their row locks (at most ROW_LOCK_TIMEOUT_MS each, else `503 busy`):
     under heavy contention a loser would otherwise keep losing to writers that commit first.
 
     Works for any item: when the item keeps stock rows (it sells through `segmented` or `lua`),
@@ -38,7 +42,7 @@ class OptimisticStrategy(StockStrategy):
     item_may_be_remembered = True
 
     def take(self, *, item: Item, qty: int, record: RecordOrder) -> Order:
-        attempts = settings.FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS
+        attempts = MAX_ATTEMPTS
         for attempt in range(attempts):
             allocation = self._plan(item, qty, locked=False)
             simulate_work()
@@ -67,8 +71,7 @@ class OptimisticStrategy(StockStrategy):
             # Only a sale restarted meanwhile refuses a write under its row locks.
             raise Busy(
                 f"{item.sku}: its stock rows stayed locked or changed after "
-                f"{settings.FLASHSALE_OPTIMISTIC_MAX_ATTEMPTS} lost races",
-                retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
+                f"{MAX_ATTEMPTS} lost races",
             )
         return sold.order
 

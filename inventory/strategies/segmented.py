@@ -45,6 +45,11 @@ from .waits import simulate_work
 
 logger = logging.getLogger(__name__)
 
+#: Stock rows (shards) of a sale, each with its own lock: ten spread a crowd over ten locks,
+#: few enough that the script picking a free one reads every hint in one round trip
+#: (docs/decisions/0006).
+SHARDS = 10
+
 
 def shard_lock(item: Item, index: int) -> Lock:
     return new_lock(keys.shard_locks(item)[index], strategy=SegmentedStrategy.name)
@@ -235,11 +240,11 @@ class SegmentedStrategy(StockStrategy):
     """
 
     name = "segmented"
-    label = f"{settings.FLASHSALE_SHARDS} shards, one Redis lock each"
+    label = f"{SHARDS} shards, one Redis lock each"
     uses_redis = True
     holds_locks = True
     counts_in_redis = True
-    shard_count = settings.FLASHSALE_SHARDS
+    shard_count = SHARDS
     # Hints, locks and rows are the sale's own, and its write refuses a sale restarted since:
     # a checkout may use an item read a moment ago.
     item_may_be_remembered = True
@@ -286,7 +291,6 @@ class SegmentedStrategy(StockStrategy):
         if busy and time.monotonic() >= give_up:
             raise Busy(
                 f"{item.sku}: every shard holding {qty} stayed locked",
-                retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
             )
         return self._serve_from_all(item, qty, record, give_up)
 
@@ -299,7 +303,6 @@ class SegmentedStrategy(StockStrategy):
                 if not acquire_lock(lock, blocking_timeout=max(give_up - time.monotonic(), 0.001)):
                     raise Busy(
                         f"{item.sku}: could not lock every shard in time",
-                        retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
                     )
                 locks[index] = lock
             rows = shard_rows(item.current_sale_id)
@@ -318,7 +321,6 @@ class SegmentedStrategy(StockStrategy):
             if order is None:  # only a write outside the locks (the fallback) can cause this
                 raise Busy(
                     f"{item.sku}: shards changed under their locks",
-                    retry_after=settings.FLASHSALE_BUSY_RETRY_AFTER,
                 )
             return order
         finally:

@@ -25,8 +25,10 @@ class UnsafeStrategy(StockStrategy):
         seen = item.stock  # read with the item, a moment ago
         if seen < qty:
             raise SoldOut(sku=item.sku, requested=qty, remaining=seen)
-        if settings.FLASHSALE_UNSAFE_DELAY_MS > 0:
-            time.sleep(settings.FLASHSALE_UNSAFE_DELAY_MS / 1000)
+        # The lab widens the race (FLASHSALE_UNSAFE_DELAY_MS, shop.lab_settings).
+        delay_ms = getattr(settings, "FLASHSALE_UNSAFE_DELAY_MS", 0)
+        if delay_ms > 0:
+            time.sleep(delay_ms / 1000)
         simulate_work()
         # The lost update, on purpose: the value written back was computed from a stale read.
         sold = record(Allocation(strategy=self.name, set_stock=seen - qty))

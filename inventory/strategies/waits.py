@@ -1,6 +1,7 @@
 """The waits a strategy makes on purpose: a jittered back-off after a write that lost a race,
-and the work a critical section is made to take (FLASHSALE_HOLD_DELAY_MS), which makes races
-and lock expiry visible to the pitfall lab and the benchmarks."""
+and the work a critical section is made to take in the lab (FLASHSALE_HOLD_DELAY_MS, a seam of
+shop.lab_settings; none in the shop), which makes races and lock expiry visible to the pitfall
+lab and the benchmarks."""
 
 from __future__ import annotations
 
@@ -20,5 +21,6 @@ def back_off(attempt: int) -> None:
 
 def simulate_work() -> None:
     """Sleep FLASHSALE_HOLD_DELAY_MS inside a critical section, to make races and expiry visible."""
-    if settings.FLASHSALE_HOLD_DELAY_MS > 0:
-        time.sleep(settings.FLASHSALE_HOLD_DELAY_MS / 1000)
+    hold_ms = getattr(settings, "FLASHSALE_HOLD_DELAY_MS", 0)
+    if hold_ms > 0:
+        time.sleep(hold_ms / 1000)

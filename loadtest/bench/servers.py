@@ -138,7 +138,10 @@ def _run_batch(
 ) -> dict[str, Figures]:
     out = Path(tempfile.mkdtemp(prefix=f"flashsale-servers-{design.name}-"))
     env = {**os.environ, **dict(design.env)}
+    # The batch enters the sandbox anew, the sandbox's settings with it (those of an older
+    # --writer-tree, which may have no lab settings).
     env.pop(sandbox.MARK, None)
+    env.pop("DJANGO_SETTINGS_MODULE", None)
     command = [
         sys.executable,
         "manage.py",

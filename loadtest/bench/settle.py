@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import inventory.services  # noqa: F401  (warm before the buyers fork)
     from inventory.keys import key as redis_key
+    from inventory.publishing import PUBLISH_BATCH
     from shop import queues
     from shop.celery import app
 
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         delete_task_queue(flood_queue)
     interval = settings.FLASHSALE_PUBLISH_INTERVAL_MS / 1000
     # What one web process's publisher gathers in an interval at the flood's pace.
-    chunk = max(1, min(settings.FLASHSALE_PUBLISH_BATCH, round(accepted * interval / args.buyers)))
+    chunk = max(1, min(PUBLISH_BATCH, round(accepted * interval / args.buyers)))
     print(f"  flood: {accepted:.0f} orders accepted/s; backlog sent in messages of {chunk}")
     queues.use(app, settle_queue)
     logs = Path(tempfile.gettempdir()) / f"bench-settle-{os.getpid()}.log"

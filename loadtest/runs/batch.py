@@ -34,6 +34,7 @@ from inventory.models import Order
 from inventory.orders import OPEN_STATUSES
 from inventory.selectors import audit_sale
 from inventory.services import start_sale
+from loadtest import sandbox
 from loadtest.cpu import CpuMeter
 from loadtest.models import SaleRun
 from loadtest.report.columns import BASELINE, summary_line
@@ -202,6 +203,7 @@ def _target(
         return
     queue = f"{settings.CELERY_TASK_DEFAULT_QUEUE}-loadtest-{batch}"
     env = {
+        "DJANGO_SETTINGS_MODULE": sandbox.SETTINGS_MODULE,  # the lab's: it reads the delay
         "FLASHSALE_UNSAFE_DELAY_MS": str(config.unsafe_delay_ms),
         "FLASHSALE_TASK_QUEUE": queue,
         **config.extra_env,

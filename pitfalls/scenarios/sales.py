@@ -38,17 +38,11 @@ from .base import Outcome, Recorder, RedisHost, Scenario, Variant
 
 @contextmanager
 def _shop_on(redis_host: RedisHost, **settings: object) -> Iterator[None]:
-    """The shop's code talks to the run's Redis, gives up on it fast, and forgets, afterwards,
-    that it was ever down."""
-    overrides = {
-        "REDIS_URL": f"redis://127.0.0.1:{redis_host.port}/0",
-        "FLASHSALE_REDIS_TIMEOUT": 0.2,
-        "FLASHSALE_REDIS_CONNECT_TIMEOUT": 0.2,
-        **settings,
-    }
+    """The shop's code talks to the run's Redis and forgets, afterwards, that it was ever down.
+    `settings` are the shop's, or the lab's seams (shop.lab_settings), for this process."""
     breaker.reset()
     try:
-        with override_settings(**overrides):
+        with override_settings(REDIS_URL=f"redis://127.0.0.1:{redis_host.port}/0", **settings):
             yield
     finally:
         breaker.reset()

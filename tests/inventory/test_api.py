@@ -16,6 +16,7 @@ from django.utils import timezone
 from inventory.models import Item, Order
 from inventory.selectors import database_now
 from inventory.services import start_sale
+from inventory.strategies import segmented
 from tests.conftest import wait_until
 
 pytestmark = [pytest.mark.django_db, pytest.mark.embedded_smoke]
@@ -406,16 +407,16 @@ def test_a_sale_started_without_a_strategy_takes_the_default(settings, capsys):
     settings.FLASHSALE_DEFAULT_STRATEGY = "segmented"
     call_command("sale", "start", "widget", "--stock", "20")
     assert "through segmented" in capsys.readouterr().out
-    assert Item.objects.get(sku="widget").shard_count == settings.FLASHSALE_SHARDS
+    assert Item.objects.get(sku="widget").shard_count == segmented.SHARDS
     settings.FLASHSALE_DEFAULT_STRATEGY = "fastest"
     with pytest.raises(CommandError, match="unknown strategy 'fastest'"):
         call_command("sale", "start", "gadget", "--stock", "20")
     assert not Item.objects.filter(sku="gadget").exists()
 
 
-def test_each_strategy_says_what_it_is_in_one_place(settings):
+def test_each_strategy_says_what_it_is_in_one_place():
     from inventory.strategies import oversells, safe_strategy_names, strategy_label
 
     assert safe_strategy_names() == ["lock", "segmented", "lua", "optimistic"]
     assert oversells("unsafe") and not oversells("lua") and not oversells("baseline")
-    assert strategy_label("segmented").startswith(f"{settings.FLASHSALE_SHARDS} shards")
+    assert strategy_label("segmented").startswith(f"{segmented.SHARDS} shards")

@@ -55,7 +55,6 @@ def cluster_shop(cluster, django_db_setup, django_db_blocker):
     server = start_shop(
         REDIS_CLUSTER_NODES=cluster.nodes_setting,
         FLASHSALE_REDIS_TIMEOUT=0.3,
-        FLASHSALE_REDIS_CONNECT_TIMEOUT=0.3,
         FLASHSALE_BREAKER_PROBE_SECONDS=0.3,
     )
     yield server
@@ -259,16 +258,6 @@ def test_the_shop_refuses_a_cluster_without_a_broker_of_its_own(cluster):
     assert checked.returncode != 0
     assert "CELERY_BROKER_URL" in checked.stderr
     assert "cannot use a Redis Cluster" in checked.stderr
-
-
-def test_the_shop_refuses_the_wake_hub_on_a_cluster(cluster):
-    env = server_env(REDIS_CLUSTER_NODES=cluster.nodes_setting, FLASHSALE_LOCK_WAKE_HUB="1")
-    env["DJANGO_SETTINGS_MODULE"] = "shop.settings"
-    checked = subprocess.run(
-        [sys.executable, "manage.py", "check"], env=env, capture_output=True, text=True
-    )
-    assert checked.returncode != 0
-    assert "FLASHSALE_LOCK_WAKE_HUB cannot be used with REDIS_CLUSTER_NODES" in checked.stderr
 
 
 def test_a_malformed_cluster_node_is_named(settings):

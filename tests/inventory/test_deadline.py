@@ -11,6 +11,7 @@ import pytest
 from django.db import connection
 from django.test import Client
 
+from inventory import row_locks
 from inventory.models import Order
 from inventory.selectors import audit_sale
 from inventory.services import start_sale
@@ -60,11 +61,11 @@ def _checkout_while(hold: Callable[[], None], release: Callable[[], None], **bod
 
 
 @pytest.mark.parametrize("strategy", ["lua", "segmented", "lock", "optimistic"])
-def test_a_sale_statement_held_past_the_deadline_sells_nothing(settings, strategy):
+def test_a_sale_statement_held_past_the_deadline_sells_nothing(settings, monkeypatch, strategy):
     # Given a checkout deadline of 300 ms, and the sale's rows locked by another transaction
     # for longer (lock waits of their own outlast it: a minute)
     settings.FLASHSALE_CHECKOUT_DEADLINE_MS = 300
-    settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS = 60_000
+    monkeypatch.setattr(row_locks, "ROW_LOCK_TIMEOUT_MS", 60_000)
     start_sale(sku="held", stock=10, strategy=strategy)
     client = Client()
     assert _checkout(client, sku="held", qty=1, buyer="first").status_code == 201

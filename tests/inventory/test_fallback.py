@@ -44,7 +44,6 @@ def private_redis(settings):
 #: Short Redis timeouts, so that the outage is noticed at once.
 OUTAGE_SETTINGS = {
     "FLASHSALE_REDIS_TIMEOUT": 0.2,
-    "FLASHSALE_REDIS_CONNECT_TIMEOUT": 0.2,
     "FLASHSALE_BREAKER_PROBE_SECONDS": 0.3,
 }
 

@@ -96,6 +96,7 @@ def shop() -> Iterator[Shop]:
     with PostgresServer() as postgres, RedisServer() as redis_server, RedisServer() as broker:
         queue = f"faults-{uuid.uuid4().hex[:8]}"
         env = {
+            "DJANGO_SETTINGS_MODULE": "shop.lab_settings",  # for the breaker's probe interval
             "DATABASE_URL": postgres.url,
             "REDIS_URL": redis_server.url,
             "CELERY_BROKER_URL": broker.url,
@@ -105,7 +106,6 @@ def shop() -> Iterator[Shop]:
             "DJANGO_CONN_MAX_AGE": "60",
             # Short timeouts, so that a fault is noticed at once.
             "FLASHSALE_REDIS_TIMEOUT": "0.3",
-            "FLASHSALE_REDIS_CONNECT_TIMEOUT": "0.3",
             "FLASHSALE_BREAKER_PROBE_SECONDS": "0.3",
         }
         postgres.migrate(env)

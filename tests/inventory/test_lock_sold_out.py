@@ -6,7 +6,7 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from inventory import orders
+from inventory import orders, services
 from inventory.models import Item, Order
 from inventory.redis_client import get_redis_client
 from inventory.services import forget_item, restock, start_sale
@@ -31,17 +31,17 @@ def _queries(client, buyer: str, status: int) -> int:
     return len(captured)
 
 
-def _sold_out(client, settings) -> None:
+def _sold_out(client, monkeypatch) -> None:
     """A `lock` sale of two units, sold, and marked gone by the first checkout refused."""
-    settings.FLASHSALE_ITEM_MEMORY_MS = 60_000  # no item read expires within the test
+    monkeypatch.setattr(services, "ITEM_MEMORY_MS", 60_000)  # no item read expires meanwhile
     start_sale(sku="widget", stock=2, strategy="lock")
     assert _checkout(client, "ann").status_code == _checkout(client, "bob").status_code == 201
     # this process's last sale left it 0: the first refusal reads the row once, and marks it
     assert _queries(client, "cy", 409) == 1
 
 
-def test_a_lock_sold_out_answer_costs_no_database_round_trip_once_marked(client, settings):
-    _sold_out(client, settings)
+def test_a_lock_sold_out_answer_costs_no_database_round_trip_once_marked(client, monkeypatch):
+    _sold_out(client, monkeypatch)
 
     # Then later refusals are answered from the mark: no database round trip at all
     assert _queries(client, "dee", 409) == 0
@@ -66,8 +66,8 @@ def _restock_one() -> None:
 
 
 @pytest.mark.parametrize("units_back", [_give_back_one, _restock_one], ids=["give-back", "restock"])
-def test_units_that_come_back_void_the_mark_and_sell_at_once(client, settings, units_back):
-    _sold_out(client, settings)
+def test_units_that_come_back_void_the_mark_and_sell_at_once(client, monkeypatch, units_back):
+    _sold_out(client, monkeypatch)
     assert _queries(client, "dee", 409) == 0  # marked
 
     # When a unit comes back to the item row (committed, then told to Redis)
@@ -81,8 +81,8 @@ def test_units_that_come_back_void_the_mark_and_sell_at_once(client, settings, u
     assert item.stock == 0
 
 
-def test_a_mark_redis_missed_the_give_back_of_is_voided_by_the_reconciler(client, settings):
-    _sold_out(client, settings)
+def test_a_mark_redis_missed_the_give_back_of_is_voided_by_the_reconciler(client, monkeypatch):
+    _sold_out(client, monkeypatch)
     assert _queries(client, "dee", 409) == 0
 
     # Given a failed order whose units went back to the row while Redis was not told
@@ -99,7 +99,7 @@ def test_a_mark_redis_missed_the_give_back_of_is_voided_by_the_reconciler(client
     assert Item.objects.get(sku="widget").stock == 0
 
 
-def test_a_checkout_marks_nothing_when_units_came_back_since_it_looked(settings):
+def test_a_checkout_marks_nothing_when_units_came_back_since_it_looked():
     # Given a sold-out `lock` sale, and a checkout that has looked for a mark and found none
     start_sale(sku="widget", stock=0, strategy="lock")
     item = Item.objects.get(sku="widget")
@@ -120,8 +120,10 @@ def test_a_checkout_marks_nothing_when_units_came_back_since_it_looked(settings)
     assert LockStrategy._gone(item) == (0, since)
 
 
-def test_a_mark_of_too_few_refuses_a_larger_checkout_and_lets_a_smaller_one_buy(client, settings):
-    settings.FLASHSALE_ITEM_MEMORY_MS = 60_000
+def test_a_mark_of_too_few_refuses_a_larger_checkout_and_lets_a_smaller_one_buy(
+    client, monkeypatch
+):
+    monkeypatch.setattr(services, "ITEM_MEMORY_MS", 60_000)
     start_sale(sku="widget", stock=3, strategy="lock")
     bought = client.post(
         "/api/checkout",

@@ -17,7 +17,7 @@ from django.db import connection
 from django.db.models import Count
 from django.utils import timezone
 
-from inventory import publishing, services
+from inventory import orders, publishing, services
 from inventory.models import LIVE_STATUSES, Item, Order, OrderStatus, PaymentAttempt
 from inventory.orders import sweep_orders
 from inventory.selectors import audit_sale
@@ -137,7 +137,7 @@ def test_the_sweeper_is_not_stuck_behind_a_backlog_of_payments(monkeypatch):
     assert _statuses(sku) == {OrderStatus.CONFIRMED: 40, OrderStatus.EXPIRED: 1}
 
 
-def test_a_killed_worker_loses_nothing_and_pays_nothing_twice(shop_server, settings):
+def test_a_killed_worker_loses_nothing_and_pays_nothing_twice(shop_server, monkeypatch):
     # Given 200 accepted orders waiting in the queue
     sku = f"crash-{uuid.uuid4().hex[:6]}"
     start_sale(sku=sku, stock=200, strategy="segmented")
@@ -161,7 +161,7 @@ def test_a_killed_worker_loses_nothing_and_pays_nothing_twice(shop_server, setti
     # and another takes over: it gets the dead worker's unacknowledged tasks back, and the
     # sweeper (beat's job) publishes again what a kill can lose between the broker's pop and
     # its unacknowledged record
-    settings.FLASHSALE_REQUEUE_AFTER_SECONDS = 5
+    monkeypatch.setattr(orders, "REQUEUE_AFTER_SECONDS", 5)
     second = start_worker(
         concurrency=4,
         FLASHSALE_PAYMENT_LATENCY_MS=5,

@@ -37,7 +37,6 @@ def quorum_shop(masters, django_db_setup, django_db_blocker):
     server = start_shop(
         REDIS_LOCK_URLS=",".join(server.url for server in masters),
         FLASHSALE_REDIS_TIMEOUT=0.2,
-        FLASHSALE_REDIS_CONNECT_TIMEOUT=0.2,
         FLASHSALE_BREAKER_PROBE_SECONDS=0.3,
     )
     yield server

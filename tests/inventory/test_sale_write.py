@@ -14,8 +14,8 @@ from django.db.models.signals import post_init
 from django.test.utils import CaptureQueriesContext
 
 import inventory.services
-from inventory import publishing, sale_values, stock
-from inventory.exceptions import Busy
+from inventory import publishing, row_locks, sale_values, stock
+from inventory.exceptions import BUSY_RETRY_AFTER, Busy
 from inventory.models import BuyerAllowance, Item, Order, OrderStatus, PaymentAttempt, StockShard
 from inventory.redis_client import get_redis_client
 from inventory.sale_statement import SaleRecorder, sell
@@ -462,11 +462,11 @@ def test_prepared_statements_can_be_turned_off_for_a_pooler():
 
 @pytest.mark.parametrize("strategy", ["lock", "segmented", "lua", "optimistic"])
 def test_a_checkout_gives_up_on_a_row_another_transaction_holds_and_changes_nothing(
-    strategy, settings
+    strategy, monkeypatch
 ):
     # Given a sale whose stock rows (or item row) another session has locked in an open
     # transaction
-    settings.FLASHSALE_ROW_LOCK_TIMEOUT_MS = 300
+    monkeypatch.setattr(row_locks, "ROW_LOCK_TIMEOUT_MS", 300)
     sku = f"held-{strategy}"
     start_sale(sku=sku, stock=5, strategy=strategy, limit=2)
     item = Item.objects.get(sku=sku)
@@ -504,7 +504,7 @@ def test_a_checkout_gives_up_on_a_row_another_transaction_holds_and_changes_noth
     # Then it answered busy once the bound ran out, while the other session still held the row
     assert held_throughout
     assert "stayed locked by another transaction for 300 ms" in str(refused.value)
-    assert refused.value.retry_after == settings.FLASHSALE_BUSY_RETRY_AFTER
+    assert refused.value.retry_after == BUSY_RETRY_AFTER
     # and nothing was written: no stock taken (shards and Redis included), no order, no allowance
     assert _rows(sku) == before
     assert get_strategy(strategy).redis_stock(item=item) == redis_before

@@ -1,5 +1,6 @@
-"""The lock strategies with FLASHSALE_LOCK_WAKE_HUB on: the checkouts of one threaded process
-wait through its one wake-up channel, and still sell exactly the stock."""
+"""The lock strategies with the wake hub on (`locks.WAKE_HUB`): the checkouts of one threaded
+process wait through its one wake-up channel, and still sell exactly the stock; on a Redis
+Cluster the hub is refused."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connection
 
 from inventory import keys
@@ -14,6 +16,7 @@ from inventory.exceptions import Busy, SoldOut
 from inventory.redis_client import get_redis_client
 from inventory.selectors import audit_sale
 from inventory.services import place_order, start_sale
+from inventory.strategies import locks
 from locking.wakes import hub_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -22,10 +25,12 @@ STOCK, ATTEMPTS, THREADS = 40, 120, 16
 
 
 @pytest.mark.parametrize("strategy", ["lock", "segmented"])
-def test_threads_of_one_process_sell_exactly_the_stock_through_the_wake_hub(settings, strategy):
+def test_threads_of_one_process_sell_exactly_the_stock_through_the_wake_hub(
+    settings, monkeypatch, strategy
+):
     # Given a process whose lock waiters share its wake hub, and checkouts that hold the
     # lock long enough for a queue to form
-    settings.FLASHSALE_LOCK_WAKE_HUB = True
+    monkeypatch.setattr(locks, "WAKE_HUB", True)
     settings.FLASHSALE_HOLD_DELAY_MS = 2
     sku = f"hub-{strategy}-{uuid.uuid4().hex[:6]}"
     start_sale(sku=sku, stock=STOCK, strategy=strategy)
@@ -54,3 +59,14 @@ def test_threads_of_one_process_sell_exactly_the_stock_through_the_wake_hub(sett
     audit = audit_sale(sku)
     assert audit["oversold"] == 0 and audit["remaining"] == 0 and audit["consistent"], audit
     assert hub.delivered > delivered_before
+
+
+def test_the_wake_hub_is_refused_on_a_redis_cluster(settings, monkeypatch):
+    # Given the wake hub on, and the shop on a Redis Cluster (its locks in many slots, the
+    # hub's one list in one)
+    monkeypatch.setattr(locks, "WAKE_HUB", True)
+    settings.REDIS_CLUSTER_NODES = ["127.0.0.1:7000", "127.0.0.1:7001", "127.0.0.1:7002"]
+
+    # When a strategy builds a lock, then it is refused, and says why
+    with pytest.raises(ImproperlyConfigured, match="cannot be used with REDIS_CLUSTER_NODES"):
+        locks.new_lock("hub-on-a-cluster", strategy="lock")
