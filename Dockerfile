@@ -26,4 +26,4 @@ RUN DATABASE_URL=postgres://build@localhost/build python manage.py collectstatic
 USER flashsale
 
 EXPOSE 8000
-CMD ["granian", "--interface", "wsgi", "--no-ws", "--host", "0.0.0.0", "--port", "8000", "--workers", "4", "--blocking-threads", "4", "--respawn-failed-workers", "--log-config", "shop/granian_logging.json", "--access-log", "shop.wsgi:application"]
+CMD ["granian", "--interface", "wsgi", "--no-ws", "--host", "0.0.0.0", "--port", "8000", "--workers", "2", "--blocking-threads", "8", "--respawn-failed-workers", "--log-config", "shop/granian_logging.json", "--access-log", "shop.wsgi:application"]

@@ -10,7 +10,7 @@ RUN := $(PY) -m shop.devservices --
 
 HOST ?= 127.0.0.1
 PORT ?= 8000
-WORKERS ?= 4
+WORKERS ?= 2
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 BENCH_ARGS ?=

@@ -30,7 +30,7 @@ from typing import Any
 import psycopg
 
 from loadtest import sandbox
-from shop.processes.servers import PROJECT_DIR
+from shop.processes.servers import GRANIAN_THREADS, GRANIAN_WORKERS, PROJECT_DIR
 
 
 @dataclass(frozen=True)
@@ -48,11 +48,11 @@ class Design:
 #: last commit that had it): the figure to beat, not a candidate. `sync`: gunicorn's sync
 #: workers, a script and a commit per checkout. `commit-delay`: the same with PostgreSQL's group
 #: commit (a commit waits for others to flush the WAL with it). `gthread`: gunicorn's threads
-#: and the in-process batcher. `granian`: granian's WSGI workers and the batcher, 4 workers of 4
-#: threads; `granian-2x8` and `granian-1x16` the same server with fewer, wider workers (a batch
-#: gathers the checkouts of one worker's threads). The designs measured once and not kept
-#: (uvicorn's ASGI workers batching on each event loop; granian with a script and a commit per
-#: checkout) are in commit 54ddf64.
+#: and the in-process batcher. `granian`: granian's WSGI workers and the batcher, the shop's
+#: server and shape (`GRANIAN_WORKERS` x `GRANIAN_THREADS`); `granian-4x4` and `granian-1x16`
+#: the same server narrower and wider (a batch gathers the checkouts of one worker's threads).
+#: The designs measured once and not kept (uvicorn's ASGI workers batching on each event loop;
+#: granian with a script and a commit per checkout) are in commit 54ddf64.
 DESIGNS = {
     design.name: design
     for design in (
@@ -67,11 +67,15 @@ DESIGNS = {
             "gthread", ("--server", "gthread", "--server-workers", "4", "--server-threads", "4")
         ),
         Design(
-            "granian", ("--server", "granian", "--server-workers", "4", "--server-threads", "4")
+            "granian",
+            (
+                *("--server", "granian", "--server-workers", str(GRANIAN_WORKERS)),
+                *("--server-threads", str(GRANIAN_THREADS)),
+            ),
         ),
         Design(
-            "granian-2x8",
-            ("--server", "granian", "--server-workers", "2", "--server-threads", "8"),
+            "granian-4x4",
+            ("--server", "granian", "--server-workers", "4", "--server-threads", "4"),
         ),
         Design(
             "granian-1x16",

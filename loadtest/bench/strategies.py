@@ -26,6 +26,8 @@ from pathlib import Path
 
 import django
 
+from shop.processes.servers import GRANIAN_THREADS
+
 from .contenders import EVALSHA, PEERS, Result, contenders_for
 from .report import median_row, print_profile, print_ratios, print_table, ratios
 from .rounds import run_contender
@@ -61,9 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--batch-threads",
         type=_positive,
-        default=4,
+        default=GRANIAN_THREADS,
         help="buyers per process, as threads, for the batched rows (`lua, batched`, "
-        "`segmented, batched`): --buyers 8 makes 2 processes of 4 threads (4)",
+        f"`segmented, batched`): as many as a web worker of the shop runs ({GRANIAN_THREADS})",
     )
     parser.add_argument("--stock", type=_positive, default=5000, help="units per sale (5000)")
     parser.add_argument(

@@ -53,9 +53,10 @@ SERVER_KINDS = ("granian", "sync", "gthread")
 
 #: The shop's server as `make serve`, compose and the load runs start it (docs/decisions/0001):
 #: granian's WSGI workers, of blocking threads each, so that a worker's checkouts in flight
-#: are written together. Four of four on two cores.
-GRANIAN_WORKERS = 4
-GRANIAN_THREADS = 4
+#: are written together. Two of eight on two cores: fewer, wider workers gather larger batches
+#: (docs/decisions/0023-two-workers-of-eight-threads.md).
+GRANIAN_WORKERS = 2
+GRANIAN_THREADS = 8
 #: Where granian's logging is configured (the access log without the health polls).
 GRANIAN_LOGGING = "shop/granian_logging.json"
 
