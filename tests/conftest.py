@@ -76,12 +76,15 @@ def _breakers_closed() -> Iterator[None]:
 
 @pytest.fixture(autouse=True, scope="session")
 def _drop_load_run_database(django_db_setup, django_db_blocker) -> Iterator[None]:
-    """Load runs started by the tests sell in `<test database>_loadrun`: gone afterwards."""
+    """Load runs started by the tests sell in `<test database>_loadrun`: gone afterwards.
+    Named from the test database's name, never from the connection's: a session whose tests
+    need no database sets none up, and its connection still names the shop's own database,
+    whose sandbox a demo may be selling in."""
     yield
     from loadtest.sandbox import database_name
 
     with django_db_blocker.unblock(), connection.cursor() as cursor:
-        name = database_name(connection.settings_dict["NAME"])
+        name = database_name(connection.creation._get_test_db_name())
         cursor.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
