@@ -26,8 +26,6 @@ from pathlib import Path
 
 import django
 
-from shop.processes.servers import GRANIAN_THREADS
-
 from .contenders import EVALSHA, PEERS, Result, contenders_for
 from .report import median_row, print_profile, print_ratios, print_table, ratios
 from .rounds import run_contender
@@ -63,9 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--batch-threads",
         type=_positive,
-        default=GRANIAN_THREADS,
+        default=4,
         help="buyers per process, as threads, for the batched rows (`lua, batched`, "
-        f"`segmented, batched`): as many as a web worker of the shop runs ({GRANIAN_THREADS})",
+        "`segmented, batched`): --buyers 8 makes 2 processes of 4 threads, one a core (4)",
     )
     parser.add_argument("--stock", type=_positive, default=5000, help="units per sale (5000)")
     parser.add_argument(
