@@ -1,4 +1,4 @@
-"""Start and stop a real gunicorn serving the shop, and its Celery worker, for
+"""Start and stop a real server of the shop (granian, or gunicorn), and its Celery worker, for
 floods, the demo and tests.
 
 Each runs in a session of its own (a Ctrl-C typed at the terminal reaches the process that
@@ -61,12 +61,24 @@ GRANIAN_THREADS = 8
 GRANIAN_LOGGING = "shop/granian_logging.json"
 
 
-def granian_command(*, host: str, port: int, workers: int, threads: int) -> list[str]:
+def granian_command(
+    *, host: str, port: int, workers: int, threads: int, uds: Path | None = None
+) -> list[str]:
     """granian serving `shop.wsgi:application`: WSGI, `workers` processes of `threads` blocking
-    threads, a worker that dies started again at once."""
+    threads, a worker that dies started again at once. On `host`:`port` each worker listens on
+    a socket of its own (SO_REUSEPORT); on the unix socket `uds` (behind a proxy) they share
+    one, so a stopped worker leaves every new connection to the others
+    (docs/decisions/0024-a-shared-socket-behind-the-proxy.md)."""
+    # On the shared socket a worker takes a connection only when one of its threads is free
+    # (--backpressure), so that one whose threads all wait leaves new ones to the others.
+    where = (
+        ("--uds", str(uds), "--backpressure", str(threads))
+        if uds is not None
+        else ("--host", host, "--port", str(port))
+    )
     return [
         *(sys.executable, "-m", "granian", "--interface", "wsgi", "--no-ws"),
-        *("--host", host, "--port", str(port)),
+        *where,
         *("--workers", str(workers), "--blocking-threads", str(threads)),
         *("--respawn-failed-workers", "--respawn-interval", "0.5"),
         *("--log-config", GRANIAN_LOGGING),
@@ -88,12 +100,18 @@ class ShopServer:
         preload: bool = False,
         kind: str = "granian",
         threads: int = GRANIAN_THREADS,
+        uds: Path | None = None,
     ) -> None:
         """preload: import the app once, before the workers fork, so that every worker answers
         as soon as the first does (a measurement must not start while workers still boot);
-        gunicorn only. `kind`: one of SERVER_KINDS; `threads`: per worker, where it has any."""
+        gunicorn only. `kind`: one of SERVER_KINDS; `threads`: per worker, where it has any.
+        `uds`: granian on this unix socket instead of a port, for a proxy in front of it (as
+        compose runs it); `url` is then the proxy's to know."""
         if kind not in SERVER_KINDS:
             raise ValueError(f"unknown server {kind!r}; choose one of {', '.join(SERVER_KINDS)}")
+        if uds is not None and kind != "granian":
+            raise ValueError("a unix socket is for granian only")
+        self.uds = uds
         self.kind = kind
         self.threads = threads
         self.port = port or free_port()
@@ -117,7 +135,11 @@ class ShopServer:
         """The command line that serves the shop on this server's port."""
         if self.kind == "granian":
             return granian_command(
-                host="127.0.0.1", port=self.port, workers=self.workers, threads=self.threads
+                host="127.0.0.1",
+                port=self.port,
+                workers=self.workers,
+                threads=self.threads,
+                uds=self.uds,
             )
         threaded = (
             ["--worker-class", "gthread", "--threads", str(self.threads)]
@@ -162,13 +184,24 @@ class ShopServer:
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.kind} exited with {self.process.returncode} at start")
             try:
-                with urllib.request.urlopen(f"{self.url}/healthz", timeout=2) as response:
-                    if response.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(0.1)
+                if self._healthz_status() == 200:
+                    return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"{self.kind} did not answer /healthz within {timeout} s")
+
+    def _healthz_status(self) -> int:
+        """The status /healthz answers, on the server's port or its unix socket."""
+        if self.uds is None:
+            with urllib.request.urlopen(f"{self.url}/healthz", timeout=2) as response:
+                return int(response.status)
+        with socket.socket(socket.AF_UNIX) as unix:
+            unix.settimeout(2)
+            unix.connect(str(self.uds))
+            unix.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+            return int(unix.recv(64).split()[1])
 
     def stop(self) -> None:
         stop_group(self.process, timeout=10)
