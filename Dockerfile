@@ -16,12 +16,13 @@ RUN pip install -r requirements.txt
 
 COPY . .
 
-# Static files are collected at build time; settings need a DATABASE_URL to load but collectstatic
+# /run/flashsale: where compose's web serves its unix socket (a volume shared with the proxy
+# starts with this directory's owner). Static files are collected at build time; settings need a DATABASE_URL to load but collectstatic
 # never connects to it.
 RUN DATABASE_URL=postgres://build@localhost/build python manage.py collectstatic --noinput \
     && useradd --create-home --uid 10001 --user-group flashsale \
-    && mkdir -p /app/.data \
-    && chown -R flashsale:flashsale /app/.data
+    && mkdir -p /app/.data /run/flashsale \
+    && chown -R flashsale:flashsale /app/.data /run/flashsale
 
 USER flashsale
 

@@ -206,7 +206,7 @@ def test_services_exist_with_healthchecks(services):
     assert services["redis"]["image"] == "redis:7-alpine"
     assert "redis-cli ping" in " ".join(services["redis"]["healthcheck"]["test"])
     web_check = " ".join(services["web"]["healthcheck"]["test"])
-    assert "urllib" in web_check and "/healthz" in web_check
+    assert "/run/flashsale/web.sock" in web_check and "/healthz" in web_check
     assert "inspect ping" in " ".join(services["worker"]["healthcheck"]["test"])
 
 
@@ -246,18 +246,38 @@ def test_web_and_worker_share_one_image(services):
         assert (ROOT / context / dockerfile).is_file()
 
 
-def test_web_migrates_then_serves_the_wsgi_app_on_8000_under_granian(services):
+def test_web_migrates_then_serves_the_wsgi_app_under_granian_on_a_socket_the_proxy_shares(
+    services, compose
+):
+    # One accept queue for every worker (docs/decisions/0024): a unix socket, on a volume that
+    # web and proxy mount, nginx's one upstream
     web = services["web"]
     seen = check_entry_points(web["command"], django_commands())
     assert {"manage.py migrate", "granian"} <= seen, seen
     steps = shell_commands(web["command"])
     (server,) = [argv for argv in steps if argv[0] == "granian"]
-    assert server[server.index("--host") + 1] == "0.0.0.0", server
-    assert server[server.index("--port") + 1] == "8000", server
-    assert [str(port) for port in web["expose"]] == ["8000"]
+    socket_path = server[server.index("--uds") + 1]
+    assert "--port" not in server and "expose" not in web, server
+    assert (
+        server[server.index("--backpressure") + 1] == server[server.index("--blocking-threads") + 1]
+    )
+    mounts = {
+        service: dict(volume.split(":")[:2] for volume in services[service]["volumes"])
+        for service in ("web", "proxy")
+    }
+    directory = str(Path(socket_path).parent)
+    shared = {volume for volume, target in mounts["web"].items() if target == directory}
+    assert shared and shared == {
+        volume for volume, target in mounts["proxy"].items() if target == directory
+    }, mounts
+    assert shared <= set(compose["volumes"])
+    conf = (ROOT / "deploy" / "nginx.conf").read_text()
+    assert re.findall(r"^\s*server (\S+);", conf, re.MULTILINE) == [f"unix:{socket_path}"]
+    # and no pool of kept connections, each of which would belong to one worker
+    assert not re.findall(r"^\s*keepalive ", conf, re.MULTILINE)
 
 
-def test_no_service_runs_a_sale_writer_or_shares_a_socket_volume(services):
+def test_no_service_runs_a_sale_writer(services):
     # Every checkout is answered by the web service that received it: nothing else sells
     assert set(services) >= {"web", "worker", "beat"}
     assert "writer" not in services
@@ -278,12 +298,13 @@ def test_only_nginx_is_published_and_it_buffers_requests_for_the_web_server(serv
     source, target = proxy["volumes"][0].split(":")[:2]
     assert target == "/etc/nginx/conf.d/default.conf"
     conf = (ROOT / source).read_text()
+    public = conf[: conf.index("# /metrics for Prometheus")]
     directives = dict(
         line.strip().rstrip(";").split(None, 1)
-        for line in conf.splitlines()
+        for line in public.splitlines()
         if line.strip().endswith(";") and not line.strip().startswith("#")
     )
-    assert directives["server"] == "web:8000" and directives["listen"] == "80"
+    assert directives["listen"] == "80"
     assert directives["proxy_pass"] == "http://flashsale_web"
     for timeout in ("client_header_timeout", "client_body_timeout", "send_timeout"):
         assert int(directives[timeout].rstrip("s")) <= 30, (timeout, directives[timeout])
@@ -403,7 +424,10 @@ def test_prometheus_scrapes_web_with_the_token_and_grafana_has_the_dashboard(ser
     config = yaml.safe_load((ROOT / source).read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     job = jobs["flashsale-web"]
-    assert job["static_configs"][0]["targets"] == ["web:8000"]  # not the proxy: it answers 404
+    # through the proxy's metrics port (its public one answers /metrics 404), which compose
+    # publishes nowhere
+    assert job["static_configs"][0]["targets"] == ["proxy:9000"]
+    assert "9000" not in " ".join(str(port) for port in services["proxy"]["ports"])
     # and the worker's own port, which its service sets (on the compose network only)
     app_env = _compose_app_env(services)
     worker_target = f"worker:{app_env['FLASHSALE_WORKER_METRICS_PORT']}"
@@ -416,7 +440,10 @@ def test_prometheus_scrapes_web_with_the_token_and_grafana_has_the_dashboard(ser
     assert f"--config.file={target}" in command
     assert "FLASHSALE_API_TOKEN" in prometheus["environment"]
     assert "FLASHSALE_API_TOKEN" in services["web"]["environment"]
-    assert "location = /metrics" in (ROOT / "deploy" / "nginx.conf").read_text()
+    conf = (ROOT / "deploy" / "nginx.conf").read_text()
+    metrics_server = conf[conf.index("# /metrics for Prometheus") :]
+    assert "listen 9000;" in metrics_server and "proxy_pass http://flashsale_web;" in metrics_server
+    assert "location = /metrics" in conf
 
     grafana = services["grafana"]
     mounts = dict(volume.split(":")[:2] for volume in grafana["volumes"])

@@ -155,10 +155,23 @@ def test_app_services_name_every_node_and_a_broker_of_their_own(stack, name):
         assert depends[job]["condition"] == "service_completed_successfully", job
     for dependency in ("postgres", "rabbitmq"):
         assert depends[dependency]["condition"] == "service_healthy"
-    # the rest of the service is docker-compose.yml's: same image, command, database
+    # the rest of the service is docker-compose.yml's: same image, command, database (web's
+    # command binding a port for the balancer where docker-compose.yml's binds the socket its
+    # one proxy shares)
     plain = _load("docker-compose.yml")["services"][name]
-    assert service["command"] == plain["command"] and service["image"] == plain["image"]
+    assert _unbound(service["command"]) == _unbound(plain["command"])
+    assert service["image"] == plain["image"]
     assert env["DATABASE_URL"] == _env(plain)["DATABASE_URL"]
+
+
+def _unbound(command: list[str]) -> str:
+    """A service's command without where granian binds (a port, or a unix socket)."""
+    script = " ".join(command)
+    script = re.sub(r"--host \S+ --port \S+ ", "", script)
+    script = re.sub(
+        r"rm -f (\S+) && (.*)--uds \1 --uds-permissions \S+ --backpressure \S+ ", r"\2", script
+    )
+    return script
 
 
 def test_the_database_is_migrated_once_before_the_app_starts(stack):
@@ -239,9 +252,13 @@ def test_the_load_balancer_is_the_only_published_app_port_and_resolves_every_rep
     proxy = stack["proxy"]
     assert proxy["image"].startswith("nginx:")
     assert proxy["depends_on"]["web"]["condition"] == "service_healthy"
-    (volume,) = proxy["volumes"]  # the cluster's site replaces nginx.conf, not beside it
-    source, target = volume.split(":")[:2]
-    assert target == "/etc/nginx/conf.d/default.conf"
+    # the cluster's site replaces nginx.conf, not beside it (the web socket's volume, which
+    # docker-compose.yml mounts, stays mounted, unused: the replicas listen on a port)
+    (source,) = [
+        volume.split(":")[0]
+        for volume in proxy["volumes"]
+        if volume.split(":")[1] == "/etc/nginx/conf.d/default.conf"
+    ]
     assert Path(source).name == "nginx-cluster.conf"
     conf = (ROOT / source).read_text()
     directives = _directives(conf)
@@ -356,7 +373,10 @@ def test_plain_compose_up_starts_none_of_the_cluster_services(plain, override):
     for name in APP_SERVICES:
         assert "REDIS_CLUSTER_NODES" not in _env(plain[name]), name
         assert "redis-cluster" not in plain[name]["depends_on"], name
-    assert plain["proxy"]["volumes"] == ["./deploy/nginx.conf:/etc/nginx/conf.d/default.conf:ro"]
+    assert plain["proxy"]["volumes"] == [
+        "./deploy/nginx.conf:/etc/nginx/conf.d/default.conf:ro",
+        "web-socket:/run/flashsale",
+    ]
 
 
 # ------------------------------------------------------------------------------ docker-compose
@@ -434,6 +454,6 @@ def test_docker_compose_validates_and_merges_the_cluster_stack_as_these_tests_do
         Path(volume["source"] if isinstance(volume, dict) else volume.split(":")[0]).name
         for volume in services["proxy"]["volumes"]
     ]
-    assert sources == ["nginx-cluster.conf"]
+    assert sorted(sources) == ["nginx-cluster.conf", "web-socket"]
     for name in SCALED:
         assert "container_name" not in services[name] and not services[name].get("ports")

@@ -16,6 +16,8 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from shop.processes.ports import free_port
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
@@ -108,15 +110,18 @@ NGINX = shutil.which("nginx") or (
 )
 
 
-def nginx_site(upstream_port: int, listen_port: int) -> str:
-    """deploy/nginx.conf with its upstream on 127.0.0.1:`upstream_port` (a test's gunicorn)
-    and listening on 127.0.0.1:`listen_port`."""
+def nginx_site(upstream: str, listen_port: int) -> str:
+    """deploy/nginx.conf with its upstream at `upstream` (a test's server: `127.0.0.1:PORT`, or
+    `unix:PATH`), listening on 127.0.0.1:`listen_port`, its metrics server on a free port."""
     from shop.processes.servers import PROJECT_DIR
 
     site = (PROJECT_DIR / "deploy" / "nginx.conf").read_text()
-    site, upstreams = re.subn(r"server web:8000;", f"server 127.0.0.1:{upstream_port};", site)
+    site, upstreams = re.subn(r"server unix:/run/flashsale/web.sock;", f"server {upstream};", site)
     site, listens = re.subn(r"listen 80;", f"listen 127.0.0.1:{listen_port};", site)
-    assert upstreams == listens == 1, "deploy/nginx.conf changed shape: update nginx_site"
+    site, metrics = re.subn(r"listen 9000;", f"listen 127.0.0.1:{free_port()};", site)
+    assert upstreams == listens == metrics == 1, (
+        "deploy/nginx.conf changed shape: update nginx_site"
+    )
     return site
 
 
