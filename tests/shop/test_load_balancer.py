@@ -143,7 +143,8 @@ def balancer(replicas, dns, tmp_path) -> Iterator[tuple[str, float]]:
     site, resolvers = re.subn(r"resolver 127\.0\.0\.11 ", f"resolver 127.0.0.1:{dns.port} ", site)
     site, upstreams = re.subn(r"(?m)^(\s*set \$\w+ web):8000;", rf"\1:{replica_port};", site)
     site, listens = re.subn(r"listen 80;", f"listen 127.0.0.1:{port};", site)
-    assert valid and resolvers == upstreams == listens == 1, (
+    site, metrics = re.subn(r"listen 9000;", f"listen 127.0.0.1:{free_port()};", site)
+    assert valid and resolvers == listens == metrics == 1 and upstreams == 2, (
         "deploy/nginx-cluster.conf changed shape: update this test"
     )
     with nginx_serving(site, tmp_path, port) as url:
