@@ -190,6 +190,7 @@ RABBITMQ_URL = os.environ.get("FLASHSALE_TEST_RABBITMQ_URL", "")
 
 
 @pytest.mark.skipif(not RABBITMQ_URL, reason="FLASHSALE_TEST_RABBITMQ_URL names no RabbitMQ")
+@pytest.mark.slow
 def test_on_rabbitmq_a_killed_workers_orders_come_back_without_the_sweeper():
     # RabbitMQ, compose's broker, hands a dead consumer's unacknowledged tasks to the next one
     # at once: no visibility timeout, no sweeper.

@@ -14,6 +14,7 @@ from tests.conftest import server_env
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
+@pytest.mark.slow
 def test_a_tiny_run_settles_the_backlog_once_for_each_worker_count(django_db_setup, tmp_path):
     # Given tiny settings, against the test database and this session's Redis prefix
     report = tmp_path / "settle.json"

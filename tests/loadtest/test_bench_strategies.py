@@ -56,6 +56,7 @@ def _rate_target(what: str, versus: str, target: str) -> str:
     )
 
 
+@pytest.mark.slow
 def test_a_tiny_run_prints_every_contender_and_no_safe_one_oversells(django_db_setup, tmp_path):
     # Given tiny settings, against the test database and this session's Redis prefix: four
     # buyers, which the batched rows run as the four threads of one process

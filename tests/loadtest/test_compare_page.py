@@ -168,6 +168,7 @@ def test_bad_start_parameters_start_nothing(staff_client):
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.slow
 def test_a_run_started_from_the_page_runs_on_a_worker_and_appears(staff_client, tmp_path):
     worker = CeleryWorker(server_env(FLASHSALE_REPORTS_DIR=tmp_path), concurrency=1).start()
     try:

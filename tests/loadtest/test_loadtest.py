@@ -317,6 +317,7 @@ def _batch_of(stderr: bytes) -> str:
     return re.search(r"^batch (\S+):", stderr.decode(), re.MULTILINE).group(1)
 
 
+@pytest.mark.slow
 def test_a_load_run_sent_sigterm_stops_what_it_started_and_says_the_run_was_interrupted(
     tmp_path,
 ):
@@ -338,6 +339,7 @@ def test_a_load_run_sent_sigterm_stops_what_it_started_and_says_the_run_was_inte
     assert "baseline: interrupted" in stderr.decode()
 
 
+@pytest.mark.slow
 def test_a_load_run_killed_outright_takes_what_it_started_with_it(tmp_path):
     # Given a load run whose server, order worker and crowd are all running
     process = _flooding(tmp_path)

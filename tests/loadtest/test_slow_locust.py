@@ -42,6 +42,7 @@ if "locust" in argv and "--csv" in argv:
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
+@pytest.mark.slow
 def test_a_locust_slow_to_start_or_that_writes_no_history_leaves_finished_runs(
     shop_server, tmp_path, monkeypatch
 ):

@@ -74,6 +74,7 @@ def test_make_admin_without_a_password_or_a_terminal_says_what_to_do_and_makes_n
     assert not User.objects.filter(username="lonely").exists()
 
 
+@pytest.mark.slow
 def test_make_admin_again_says_the_login_exists_and_how_to_change_its_password():
     first = _make("admin", "ADMIN_USER=boss", DJANGO_SUPERUSER_PASSWORD="pw-for-tests-only")
     assert first.returncode == 0, first.stderr

@@ -346,6 +346,7 @@ def test_the_metrics_need_the_token_unless_the_local_targets_open_them():
     assert posted.status_code == 405 and posted.headers["Allow"] == "GET"
 
 
+@pytest.mark.slow
 def test_a_server_leaves_no_metrics_directory_behind():
     server = start_shop()
     directory = server.metrics_dir

@@ -621,6 +621,7 @@ def test_staff_compare_two_recorded_runs_side_by_side(shop_server, page):
     screenshot(page, "18-admin-compare-narrow")
 
 
+@pytest.mark.slow
 def test_staff_run_a_pitfall_scenario_and_see_the_double_grant_drawn(shop_server, page):
     # Given a staff user and a Celery worker
     worker = start_worker(concurrency=1)

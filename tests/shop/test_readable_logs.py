@@ -87,6 +87,7 @@ def _pitfall(*arguments: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_the_lab_prints_its_progress_and_table_not_the_expiries_it_forces():
     # When trust-the-lock runs, whose locks expire under their holders by design
     quiet = _pitfall("run", "trust-the-lock")
