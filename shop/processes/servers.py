@@ -186,8 +186,8 @@ class ShopServer:
             try:
                 if self._healthz_status() == 200:
                     return self
-            except (urllib.error.URLError, OSError):
-                pass
+            except (urllib.error.URLError, OSError, IndexError, ValueError):
+                pass  # not listening yet, or closed before a whole status line
             time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"{self.kind} did not answer /healthz within {timeout} s")
