@@ -101,6 +101,7 @@ def _assert_sold_exactly_the_stock(sku: str, sold: int) -> None:
     assert audit["oversold"] == 0 and audit["remaining"] == 0 and audit["consistent"], audit
 
 
+@pytest.mark.slow
 def test_optimistic_buyers_never_queue_on_the_item_row():
     # Given an optimistic sale and a crowd of buyers many times the cores
     sku = f"gated-{uuid.uuid4().hex[:6]}"

@@ -109,6 +109,7 @@ def test_a_worker_keeps_its_database_connection_from_task_to_task(monkeypatch):
     assert before and before <= after, (before, after)
 
 
+@pytest.mark.slow
 def test_the_sweeper_is_not_stuck_behind_a_backlog_of_payments(monkeypatch):
     # Given forty orders queued one message each for a worker that pays slowly, and an order
     # overdue for the sweeper
@@ -238,6 +239,7 @@ def test_on_rabbitmq_a_killed_workers_orders_come_back_without_the_sweeper():
     assert _payments_per_order(sku) == {1}
 
 
+@pytest.mark.slow
 def test_checkout_goes_on_while_the_broker_is_down_and_the_sweeper_catches_up():
     with RedisServer() as broker:
         env = {"CELERY_BROKER_URL": broker.url, "FLASHSALE_BROKER_PROBE_SECONDS": 0.5}
