@@ -101,7 +101,7 @@ class Batcher(Generic[Request, Answer]):
             answers = [error] * len(batch)
         # The lead first, then the answers: the next batch's round trips start while the
         # threads just answered go on with their requests (wakened first, they would take the
-        # interpreter before it; 1.13x the units/s without HTTP, docs/decisions/0025).
+        # interpreter before it: docs/decisions/0025).
         with self._lock:
             if self._queue:
                 following = self._queue[0]
