@@ -223,8 +223,11 @@ FLASHSALE_CHECKOUT_DEADLINE_MS = bounded("FLASHSALE_CHECKOUT_DEADLINE_MS", 3000,
 # Largest quantity per checkout.
 FLASHSALE_MAX_QTY = bounded("FLASHSALE_MAX_QTY", 100, 1, 1_000_000)
 # Lock: time to live, and how long a buyer waits for it (never past the checkout's deadline).
+# A lock is held for one write, milliseconds: a buyer still waiting after a second is behind a
+# stalled holder (a frozen process keeps its locks until their TTL), and its thread is worth
+# more to the requests behind it (/healthz among them) than its wait is.
 FLASHSALE_LOCK_TTL_MS = bounded("FLASHSALE_LOCK_TTL_MS", 5000, 10, 600_000)
-FLASHSALE_LOCK_WAIT_MS = bounded("FLASHSALE_LOCK_WAIT_MS", 5000, 0, 60_000)
+FLASHSALE_LOCK_WAIT_MS = bounded("FLASHSALE_LOCK_WAIT_MS", 1000, 0, 60_000)
 # Simulated payment: how long it takes and what share it declines.
 FLASHSALE_PAYMENT_LATENCY_MS = bounded("FLASHSALE_PAYMENT_LATENCY_MS", 50, 0, 60_000)
 FLASHSALE_PAYMENT_FAILURE_RATE = bounded("FLASHSALE_PAYMENT_FAILURE_RATE", 0.0, 0.0, 1.0)
