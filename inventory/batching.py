@@ -4,13 +4,17 @@ A thread hands its request to `Batcher.submit` and waits. When no batch is being
 leads: it takes every request waiting (its own first), runs `write` on them in its own thread
 (its own connections), passes the lead to the oldest request that arrived meanwhile, and gives
 each waiting thread its answer. So a lone request is a batch of one that waits for nothing, and
-batches grow only while a write is in flight: as many requests as came during one round trip.
-The batcher knows nothing of what it writes; a strategy gives it `write`.
+batches grow while a write is in flight: as many requests as came during one round trip. A
+leader that finds fewer requests waiting than its last batch held waits up to `gather` seconds
+for the rest (the threads just answered, coming back with their next request), as PostgreSQL's
+`commit_delay` waits for siblings. The batcher knows nothing of what it writes; a strategy gives
+it `write`.
 
 A request still waiting when its deadline passes is withdrawn and answered `Expired`: it was
 never written. Once in a batch, it waits for the batch's answer; bounding the write by the
 batch's deadlines is `write`'s job. Decision records: docs/decisions/0001 (group commit in the
-web process) and 0025 (the lead before the answers).
+web process), 0025 (the lead before the answers) and 0027 (a leader gathers its last batch's
+size).
 """
 
 from __future__ import annotations
@@ -41,11 +45,17 @@ class _Waiting(Generic[Request, Answer]):
     answer: Answer | BaseException | None = None
 
 
+#: How long a leader waits for its last batch's size (docs/decisions/0027): a thread answered
+#: comes back within a fraction of a millisecond when more requests wait for it.
+GATHER_SECONDS = 0.001
+
+
 class Batcher(Generic[Request, Answer]):
     """Runs `write(requests)` for the requests of concurrent threads, one batch at a time.
 
     `write` returns one answer per request, in order: a value, or an exception for that
     request's thread to raise. An exception `write` raises is every request's answer.
+    `gather`: seconds a leader waits for as many requests as its last batch held (0: none).
     """
 
     def __init__(
@@ -53,10 +63,17 @@ class Batcher(Generic[Request, Answer]):
         write: Callable[[list[Request]], Sequence[Answer | BaseException]],
         *,
         most: int = 64,
+        gather: float = GATHER_SECONDS,
     ) -> None:
         self._write = write
         self._most = most
+        self._gather = gather
         self._lock = threading.Lock()
+        #: Notified, under `_lock`, of each request queued while a leader gathers.
+        self._arrived = threading.Condition(self._lock)
+        self._gathering = False
+        #: How many requests the last batch held.
+        self._last = 0
         self._queue: deque[_Waiting[Request, Answer]] = deque()
         self._leading = False
 
@@ -68,6 +85,8 @@ class Batcher(Generic[Request, Answer]):
             self._queue.append(waiting)
             leads = not self._leading
             self._leading = True
+            if self._gathering:
+                self._arrived.notify()
         if not leads:
             self._wait(waiting)
         if waiting.leads or leads:
@@ -76,6 +95,22 @@ class Batcher(Generic[Request, Answer]):
         if isinstance(answer, BaseException):
             raise answer
         return answer  # type: ignore[return-value]  # set by the batch that wrote it
+
+    def _gather_last_size(self) -> None:
+        """With `_lock` held: wait up to `gather` seconds until as many requests wait as the
+        last batch held. A lone request after a lone request never waits."""
+        if not self._gather or len(self._queue) >= self._last:
+            return
+        ends = time.monotonic() + self._gather
+        self._gathering = True
+        try:
+            while len(self._queue) < self._last:
+                left = ends - time.monotonic()
+                if left <= 0:
+                    return
+                self._arrived.wait(left)
+        finally:
+            self._gathering = False
 
     def _wait(self, waiting: _Waiting[Request, Answer]) -> None:
         left = waiting.deadline - time.monotonic()
@@ -92,7 +127,9 @@ class Batcher(Generic[Request, Answer]):
 
     def _lead(self) -> None:
         with self._lock:
+            self._gather_last_size()
             batch = [self._queue.popleft() for _ in range(min(self._most, len(self._queue)))]
+            self._last = len(batch)
         try:
             answers = list(self._write([waiting.request for waiting in batch]))
             if len(answers) != len(batch):

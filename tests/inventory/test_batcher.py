@@ -65,6 +65,52 @@ def test_requests_that_arrive_while_a_batch_is_written_go_in_the_next_one_togeth
     assert len(write.batches) == 2
 
 
+def _two_batches(batcher: Batcher, write: Recorder) -> None:
+    """Batches [1], then [2, 3]: the batcher's last batch held two."""
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(batcher.submit, 1, deadline=LATER)
+        assert write.writing.wait(10)
+        pair = [pool.submit(batcher.submit, n, deadline=LATER) for n in (2, 3)]
+        deadline = time.monotonic() + 10
+        while len(batcher._queue) < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        write.release.set()
+        assert [first.result(10)] + [future.result(10) for future in pair] == [10, 20, 30]
+    assert [sorted(batch) for batch in write.batches] == [[1], [2, 3]]
+
+
+def test_a_leader_gathers_as_many_requests_as_its_last_batch_held():
+    # Given a batcher whose last batch held two
+    write = Recorder(hold=True)
+    batcher = Batcher(write, gather=60)
+    _two_batches(batcher, write)
+    with ThreadPoolExecutor(2) as pool:
+        # When one request comes alone: its thread leads, and gathers
+        lone = pool.submit(batcher.submit, 4, deadline=LATER)
+        deadline = time.monotonic() + 10
+        while not batcher._gathering and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert batcher._gathering and write.batches[2:] == []
+        # and a second one comes
+        second = pool.submit(batcher.submit, 5, deadline=LATER)
+        answers = [lone.result(30), second.result(30)]
+    # Then the two are written together
+    assert answers == [40, 50]
+    assert [sorted(batch) for batch in write.batches[2:]] == [[4, 5]]
+
+
+def test_a_leader_gathers_no_longer_than_its_gather_time():
+    # Given a batcher whose last batch held two, and a short gathering time
+    write = Recorder(hold=True)
+    batcher = Batcher(write, gather=0.05)
+    _two_batches(batcher, write)
+    # When one request comes alone, and no other
+    # Then it is written alone once the time is up, and the next lone one too
+    assert batcher.submit(4, deadline=LATER) == 40
+    assert batcher.submit(5, deadline=LATER) == 50
+    assert write.batches[2:] == [[4], [5]]
+
+
 def test_an_answer_that_is_an_exception_is_raised_in_its_own_thread_only():
     batcher = Batcher(Recorder())
 
