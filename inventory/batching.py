@@ -3,18 +3,15 @@
 A thread hands its request to `Batcher.submit` and waits. When no batch is being written, it
 leads: it takes every request waiting (its own first), runs `write` on them in its own thread
 (its own connections), passes the lead to the oldest request that arrived meanwhile, and gives
-each waiting thread its answer. So a lone request is a batch of one that waits for nothing, and
-batches grow while a write is in flight: as many requests as came during one round trip. A
-leader that finds fewer requests waiting than its last batch held waits up to `gather` seconds
-for the rest (the threads just answered, coming back with their next request), as PostgreSQL's
-`commit_delay` waits for siblings. The batcher knows nothing of what it writes; a strategy gives
-it `write`.
+each waiting thread its answer. A lone request is a batch of one that waits for nothing; a
+batch holds the requests that came during the last write, and a leader that finds fewer than
+the last batch held waits up to `gather` seconds for the threads just answered to come back
+(PostgreSQL's `commit_delay`). The batcher knows nothing of what it writes.
 
 A request still waiting when its deadline passes is withdrawn and answered `Expired`: it was
 never written. Once in a batch, it waits for the batch's answer; bounding the write by the
 batch's deadlines is `write`'s job. Decision records: docs/decisions/0001 (group commit in the
-web process), 0025 (the lead before the answers) and 0027 (a leader gathers its last batch's
-size).
+web process), 0025 (the lead before the answers), 0027 (the leader gathers).
 """
 
 from __future__ import annotations
