@@ -4,6 +4,7 @@ Cluster the hub is refused."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,10 +14,12 @@ from django.db import connection
 
 from inventory import keys
 from inventory.exceptions import Busy, SoldOut
+from inventory.models import Item
 from inventory.redis_client import get_redis_client
 from inventory.selectors import audit_sale
 from inventory.services import place_order, start_sale
 from inventory.strategies import locks
+from inventory.strategies.segmented import shard_lock
 from locking.wakes import hub_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -28,16 +31,25 @@ STOCK, ATTEMPTS, THREADS = 40, 120, 16
 def test_threads_of_one_process_sell_exactly_the_stock_through_the_wake_hub(
     settings, monkeypatch, strategy
 ):
-    # Given a process whose lock waiters share its wake hub, and checkouts that hold the
-    # lock long enough for a queue to form
+    # Given a process whose lock waiters share its wake hub, and every lock its checkouts take
+    # held for now
     monkeypatch.setattr(locks, "WAKE_HUB", True)
     settings.FLASHSALE_HOLD_DELAY_MS = 2
+    settings.FLASHSALE_LOCK_WAIT_MS = 5000
     sku = f"hub-{strategy}-{uuid.uuid4().hex[:6]}"
     start_sale(sku=sku, stock=STOCK, strategy=strategy)
+    item = Item.objects.get(sku=sku)
+    if strategy == "lock":
+        held = [locks.new_lock(keys.item_lock(item), strategy="lock", quorum=True, peers=True)]
+    else:
+        held = [shard_lock(item, index) for index in range(item.shard_count)]
+    for lock in held:
+        assert lock.acquire(blocking=False)
     hub = hub_for(get_redis_client(), keys.key("lock-wakes"))
     delivered_before = hub.delivered
 
-    # When 16 of its threads try 120 checkouts of one unit
+    # When 16 of its threads try 120 checkouts of one unit, and the held locks are released
+    # once a checkout queues for one
     def attempt(number: int) -> str:
         try:
             place_order(sku=sku, qty=1, buyer=f"b{number}")
@@ -49,8 +61,16 @@ def test_threads_of_one_process_sell_exactly_the_stock_through_the_wake_hub(
         finally:
             connection.close()
 
+    redis = get_redis_client()
     with ThreadPoolExecutor(THREADS) as pool:
-        outcomes = list(pool.map(attempt, range(ATTEMPTS)))
+        running = pool.map(attempt, range(ATTEMPTS))
+        give_up = time.monotonic() + 30
+        while not any(redis.llen(f"{lock.name}:queue") for lock in held):
+            assert time.monotonic() < give_up, "no checkout queued for a held lock"
+            time.sleep(0.005)
+        for lock in held:
+            lock.release()
+        outcomes = list(running)
 
     # Then exactly the stock was sold, the rest refused as sold out, and the hand-overs came
     # through the hub
