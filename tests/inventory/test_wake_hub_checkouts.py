@@ -45,7 +45,8 @@ def test_threads_of_one_process_sell_exactly_the_stock_through_the_wake_hub(
         held = [shard_lock(item, index) for index in range(item.shard_count)]
     for lock in held:
         assert lock.acquire(blocking=False)
-    hub = hub_for(get_redis_client(), keys.key("lock-wakes"))
+    redis = get_redis_client()
+    hub = hub_for(redis, keys.key("lock-wakes"))
     delivered_before = hub.delivered
 
     # When 16 of its threads try 120 checkouts of one unit, and the held locks are released
@@ -61,7 +62,6 @@ def test_threads_of_one_process_sell_exactly_the_stock_through_the_wake_hub(
         finally:
             connection.close()
 
-    redis = get_redis_client()
     with ThreadPoolExecutor(THREADS) as pool:
         running = pool.map(attempt, range(ATTEMPTS))
         give_up = time.monotonic() + 30
