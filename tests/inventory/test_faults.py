@@ -1,8 +1,9 @@
 """Faults mid-flood, on a shop of the test's own, deployed as compose deploys it (its own
 PostgreSQL and Redis; deploy/nginx.conf in front of granian's workers on a unix socket they
 share; an order worker): a web worker, the order worker and Redis each killed (SIGKILL) or
-stopped for 10 s (SIGSTOP), PostgreSQL restarted with 3 s away; `lua` and `segmented`, with and
-without idempotency keys. Skipped where there is no nginx (`make nginx` installs it, as CI does).
+stopped for 10 s (SIGSTOP), granian's main process stopped for 10 s (its workers go on),
+PostgreSQL restarted with 3 s away; `lua` and `segmented`, with and without idempotency keys.
+Skipped where there is no nginx (`make nginx` installs it, as CI does).
 
 Whatever the fault: nothing is oversold; every 201 names a committed order; every order in the
 database was answered 201 to its buyer, or its buyer got no answer from the shop (the web
@@ -176,6 +177,12 @@ def _web_worker(shop: Shop) -> psutil.Process:
     return _children(shop.server.process.pid)[0]
 
 
+def _web_server(shop: Shop) -> psutil.Process:
+    """granian's main process: it starts the web workers and starts again one that dies."""
+    assert shop.server.process is not None
+    return psutil.Process(shop.server.process.pid)
+
+
 def _order_worker(shop: Shop) -> psutil.Process:
     assert shop.worker.process is not None
     return psutil.Process(shop.worker.process.pid)
@@ -201,6 +208,18 @@ def _stop(process: Callable[[Shop], psutil.Process]) -> Callable[[Shop], None]:
     return fault
 
 
+def _stop_alone(process: Callable[[Shop], psutil.Process]) -> Callable[[Shop], None]:
+    """Stopped, while the processes it started go on."""
+
+    def fault(shop: Shop) -> None:
+        stopped = process(shop)
+        stopped.suspend()
+        time.sleep(STOPPED_SECONDS)  # the fault: stopped this long, while the crowd buys
+        stopped.resume()
+
+    return fault
+
+
 def _kill_redis(shop: Shop) -> None:
     shop.redis.kill()
     shop.redis.restart()  # back at once, empty
@@ -219,6 +238,7 @@ def _restart_postgres(shop: Shop) -> None:
 FAULTS: dict[str, Callable[[Shop], None]] = {
     "web worker killed": _kill(_web_worker),
     "web worker stopped": _stop(_web_worker),
+    "web server's main process stopped": _stop_alone(_web_server),
     "order worker killed": _kill(_order_worker),
     "order worker stopped": _stop(_order_worker),
     "redis killed": _kill_redis,
