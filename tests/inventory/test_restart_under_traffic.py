@@ -3,6 +3,7 @@ took, no sale sells more than it started with, nothing deadlocks, and no buyer s
 
 from __future__ import annotations
 
+import itertools
 import threading
 import uuid
 
@@ -13,7 +14,7 @@ from inventory.models import LIVE_STATUSES, Item, Order, Sale
 from inventory.orders import reconcile_sale
 from inventory.selectors import audit_sale
 from inventory.services import start_sale
-from loadtest.flood import flood
+from loadtest.flood import FloodResult, flood
 from tests.conftest import wait_until
 
 STOCK = 40
@@ -31,22 +32,40 @@ def test_restarting_a_sale_under_a_flood_never_sells_a_unit_twice(shop_server, s
     # Given a sale and a crowd buying it
     sku = f"restart-{strategy}-{uuid.uuid4().hex[:6]}"
     start_sale(sku=sku, stock=STOCK, strategy=strategy)
-    results = []
-    crowd = threading.Thread(
-        target=lambda: results.append(
-            flood(shop_server.url, sku, attempts=600, concurrency=16, pause=0.002)
-        )
-    )
+    result = FloodResult()
+    restarted = threading.Event()
+
+    def buy_until_restarted() -> None:
+        # Rounds of checkouts until the last restart, then one more: a crowd of a fixed number
+        # of checkouts could be over before a slow restart, leaving the next sale unsold
+        for round_ in itertools.count():
+            last = restarted.is_set()
+            result.merge(
+                flood(
+                    shop_server.url,
+                    sku,
+                    attempts=160,
+                    concurrency=16,
+                    pause=0.002,
+                    buyer_prefix=f"buyer{round_}",
+                )
+            )
+            if last:
+                return
+
+    crowd = threading.Thread(target=buy_until_restarted)
     crowd.start()
 
     # When the sale is restarted three times while checkouts are in flight, each time once the
     # crowd has bought from the sale then current
-    for _ in range(RESTARTS):
-        assert wait_until(lambda: _sold_from_current_sale(sku), timeout=60, interval=0.01)
-        start_sale(sku=sku, stock=STOCK, strategy=strategy)
-    crowd.join(timeout=120)
+    try:
+        for _ in range(RESTARTS):
+            assert wait_until(lambda: _sold_from_current_sale(sku), timeout=60, interval=0.01)
+            start_sale(sku=sku, stock=STOCK, strategy=strategy)
+    finally:
+        restarted.set()
+        crowd.join(timeout=120)
     assert not crowd.is_alive()
-    (result,) = results
 
     # Then no buyer saw a server error other than `busy`, and every sale, old or current, sold
     # at most the units it started with
