@@ -195,27 +195,20 @@ def _kill(process: Callable[[Shop], psutil.Process]) -> Callable[[Shop], None]:
     return fault
 
 
-def _stop(process: Callable[[Shop], psutil.Process]) -> Callable[[Shop], None]:
+def _stop(
+    process: Callable[[Shop], psutil.Process], *, children: bool = True
+) -> Callable[[Shop], None]:
+    """Stopped for STOPPED_SECONDS, with the processes it started (`children`) or while they go
+    on."""
+
     def fault(shop: Shop) -> None:
         stopped = process(shop)
-        group = [stopped, *stopped.children(recursive=True)]
+        group = [stopped, *(stopped.children(recursive=True) if children else [])]
         for one in group:
             one.suspend()
         time.sleep(STOPPED_SECONDS)  # the fault: stopped this long, while the crowd buys
         for one in group:
             one.resume()
-
-    return fault
-
-
-def _stop_alone(process: Callable[[Shop], psutil.Process]) -> Callable[[Shop], None]:
-    """Stopped, while the processes it started go on."""
-
-    def fault(shop: Shop) -> None:
-        stopped = process(shop)
-        stopped.suspend()
-        time.sleep(STOPPED_SECONDS)  # the fault: stopped this long, while the crowd buys
-        stopped.resume()
 
     return fault
 
@@ -238,7 +231,7 @@ def _restart_postgres(shop: Shop) -> None:
 FAULTS: dict[str, Callable[[Shop], None]] = {
     "web worker killed": _kill(_web_worker),
     "web worker stopped": _stop(_web_worker),
-    "web server's main process stopped": _stop_alone(_web_server),
+    "web server's main process stopped": _stop(_web_server, children=False),
     "order worker killed": _kill(_order_worker),
     "order worker stopped": _stop(_order_worker),
     "redis killed": _kill_redis,
