@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import uuid
 
 import pytest
@@ -24,7 +23,7 @@ from loadtest.flood import flood
 from locking.cluster import slot
 from shop.processes.redis_cluster import LocalCluster
 from tests.conftest import server_env, start_shop, wait_until
-from tests.support import flood_sells_exactly_the_stock, run_in_thread
+from tests.support import crowd_in_rounds, flood_sells_exactly_the_stock, run_in_thread, sold_out
 
 STOCK = 50
 BUYERS = 24
@@ -206,7 +205,7 @@ def _wait_for_stock_at_most(sku: str, units: int, timeout: float) -> bool:
 def test_a_master_killed_mid_sale_fails_over_and_nothing_is_oversold_or_lost(
     cluster, cluster_shop, strategy
 ):
-    # Given a sale and a flood of buyers that outlasts the stock, paced to last a few seconds
+    # Given a sale and a paced crowd that buys in rounds until it is told the sale is sold out
     stock = 600
     sku = f"cl-failover-{strategy}-{uuid.uuid4().hex[:6]}"
     start_sale(sku=sku, stock=stock, strategy=strategy)
@@ -216,13 +215,9 @@ def test_a_master_killed_mid_sale_fails_over_and_nothing_is_oversold_or_lost(
         "segmented": lambda sold: keys.shard_hint(sold, 0),
         "lua": keys.turn,
     }[strategy](item)
-    results = []
-    buyers = threading.Thread(
-        target=lambda: results.append(
-            flood(cluster_shop.url, sku, attempts=900, concurrency=8, pause=0.08)
-        )
+    buyers, result = crowd_in_rounds(
+        cluster_shop.url, sku, until=sold_out, attempts=240, concurrency=8, pause=0.08, within=150
     )
-    buyers.start()
 
     # When the master serving the sale's hot slot is SIGKILLed once a tenth is sold
     assert _wait_for_stock_at_most(sku, stock * 9 // 10, timeout=30)
@@ -233,7 +228,6 @@ def test_a_master_killed_mid_sale_fails_over_and_nothing_is_oversold_or_lost(
     assert Item.objects.get(sku=sku).units_left > 0
     buyers.join(timeout=180)
     assert not buyers.is_alive()
-    (result,) = results
 
     # Then no buyer saw a server error, exactly the stock was sold, every 201 is an order
     audit = _check_sold_exactly(sku, result, stock)

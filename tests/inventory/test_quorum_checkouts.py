@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 import uuid
 
 import pytest
@@ -17,9 +16,9 @@ from inventory.fences import next_fence
 from inventory.models import Item, LockFence, Order
 from inventory.selectors import audit_sale
 from inventory.services import start_sale
-from loadtest.flood import flood
 from shop.processes.redis_server import RedisServer
 from tests.conftest import server_env, start_shop, wait_until
+from tests.support import crowd_in_rounds, sold_out
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -50,15 +49,6 @@ def _masters_back(masters):
         server.start()
 
 
-def _flood_in_thread(url: str, sku: str, attempts: int) -> tuple[threading.Thread, list]:
-    results: list = []
-    thread = threading.Thread(
-        target=lambda: results.append(flood(url, sku, attempts=attempts, concurrency=8, pause=0.02))
-    )
-    thread.start()
-    return thread, results
-
-
 def _sold_exactly(sku: str, result, stock: int) -> dict:
     context = f"{dict(result.statuses)} {dict(result.errors)}"
     assert result.transport_failures == 0 and result.server_errors == 0, context
@@ -85,7 +75,10 @@ def test_a_lock_sale_on_a_quorum_of_masters(quorum_shop, masters, killed):
     stock = 120
     sku = f"quorum-{killed}-{uuid.uuid4().hex[:6]}"
     start_sale(sku=sku, stock=stock, strategy="lock")
-    thread, results = _flood_in_thread(quorum_shop.url, sku, attempts=360)
+    # and a crowd that buys in rounds until it is told the sale is sold out
+    thread, result = crowd_in_rounds(
+        quorum_shop.url, sku, until=sold_out, attempts=120, concurrency=8, pause=0.02, within=120
+    )
 
     # When `killed` of the three masters are SIGKILLed once a sixth is sold
     assert wait_until(
@@ -93,9 +86,8 @@ def test_a_lock_sale_on_a_quorum_of_masters(quorum_shop, masters, killed):
     )
     for server in masters[:killed]:
         server.kill()
-    thread.join(120)
+    thread.join(150)
     assert not thread.is_alive()
-    (result,) = results
 
     # Then no buyer saw a server error, exactly the stock was sold, every 201 is an order
     _sold_exactly(sku, result, stock)

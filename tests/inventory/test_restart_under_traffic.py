@@ -3,7 +3,6 @@ took, no sale sells more than it started with, nothing deadlocks, and no buyer s
 
 from __future__ import annotations
 
-import itertools
 import threading
 import uuid
 
@@ -14,8 +13,8 @@ from inventory.models import LIVE_STATUSES, Item, Order, Sale
 from inventory.orders import reconcile_sale
 from inventory.selectors import audit_sale
 from inventory.services import start_sale
-from loadtest.flood import FloodResult, flood
 from tests.conftest import wait_until
+from tests.support import crowd_in_rounds
 
 STOCK = 40
 RESTARTS = 3
@@ -32,29 +31,17 @@ def test_restarting_a_sale_under_a_flood_never_sells_a_unit_twice(shop_server, s
     # Given a sale and a crowd buying it
     sku = f"restart-{strategy}-{uuid.uuid4().hex[:6]}"
     start_sale(sku=sku, stock=STOCK, strategy=strategy)
-    result = FloodResult()
     restarted = threading.Event()
-
-    def buy_until_restarted() -> None:
-        # Rounds of checkouts until the last restart, then one more: a crowd of a fixed number
-        # of checkouts could be over before a slow restart, leaving the next sale unsold
-        for round_ in itertools.count():
-            last = restarted.is_set()
-            result.merge(
-                flood(
-                    shop_server.url,
-                    sku,
-                    attempts=160,
-                    concurrency=16,
-                    pause=0.002,
-                    buyer_prefix=f"buyer{round_}",
-                )
-            )
-            if last:
-                return
-
-    crowd = threading.Thread(target=buy_until_restarted)
-    crowd.start()
+    # Rounds of checkouts until the last restart, then one more: a crowd of a fixed number of
+    # checkouts could be over before a slow restart, leaving the next sale unsold
+    crowd, result = crowd_in_rounds(
+        shop_server.url,
+        sku,
+        until=lambda _: restarted.is_set(),
+        attempts=160,
+        concurrency=16,
+        pause=0.002,
+    )
 
     # When the sale is restarted three times while checkouts are in flight, each time once the
     # crowd has bought from the sale then current

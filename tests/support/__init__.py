@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -13,7 +14,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from shop.processes.ports import free_port
@@ -77,6 +78,54 @@ def run_in_thread(target) -> tuple[threading.Thread, dict]:
     thread = threading.Thread(target=body, daemon=True)
     thread.start()
     return thread, outcome
+
+
+def crowd_in_rounds(
+    url: str,
+    sku: str,
+    *,
+    until: Callable[[Any], bool],
+    attempts: int,
+    concurrency: int,
+    pause: float = 0.0,
+    within: float = 300.0,
+) -> tuple[threading.Thread, Any]:
+    """Start a crowd buying sku in a thread: rounds of `attempts` checkouts (`loadtest.flood`),
+    each round's buyers named apart, until `until(so_far)` holds as a round starts, then that
+    round, the last; no round starts after `within` seconds. Returns the thread and the
+    rounds' merged FloodResult, final once the thread has ended.
+
+    A crowd of a fixed number of checkouts can be over before what a test waits for happens (a
+    slow restart, a slow failover), or run out of checkouts before the sale is sold out."""
+    from loadtest.flood import FloodResult, flood
+
+    so_far = FloodResult()
+    ends = time.monotonic() + within
+
+    def buy() -> None:
+        for round_ in itertools.count():
+            last = until(so_far) or time.monotonic() >= ends
+            so_far.merge(
+                flood(
+                    url,
+                    sku,
+                    attempts=attempts,
+                    concurrency=concurrency,
+                    pause=pause,
+                    buyer_prefix=f"buyer{round_}",
+                )
+            )
+            if last:
+                return
+
+    thread = threading.Thread(target=buy, daemon=True)
+    thread.start()
+    return thread, so_far
+
+
+def sold_out(so_far: Any) -> bool:
+    """`crowd_in_rounds`'s `until` for a crowd that buys until it is told the sale is sold out."""
+    return so_far.errors.get("sold_out", 0) > 0
 
 
 def flood_sells_exactly_the_stock(url: str, sku: str, *, stock: int, attempts: int, buyers: int):
