@@ -7,6 +7,7 @@ without stopping it (killed, or crashed): none outlives its starter."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -28,15 +29,24 @@ PROJECT_DIR = Path(__file__).resolve().parents[2]
 
 
 def kill_group(process: subprocess.Popen[bytes] | None) -> None:
-    """SIGKILL a child started in a session of its own, and whatever it started, at once."""
-    if process is not None and process.poll() is None:
+    """SIGKILL a child started in a session of its own, and whatever it started, at once: also
+    what it left in its group if it died first (a killed server's workers go on serving)."""
+    if process is None:
+        return
+    # While a process is left in the group, the kernel gives its number to no other process.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+    process.wait()
 
 
 def stop_group(process: subprocess.Popen[bytes] | None, timeout: float) -> None:
-    """SIGTERM a child started in a session of its own; SIGKILL it after `timeout` seconds."""
-    if process is None or process.poll() is not None:
+    """SIGTERM a child started in a session of its own; SIGKILL it after `timeout` seconds. Of
+    a child that died first, what it left in its group is killed at once: nothing is left to
+    stop it in order."""
+    if process is None:
+        return
+    if process.poll() is not None:
+        kill_group(process)
         return
     os.killpg(process.pid, signal.SIGTERM)
     try:
@@ -169,6 +179,9 @@ class ShopServer:
 
     def start(self, timeout: float = 30.0) -> ShopServer:
         command = self.command()
+        if self.uds is not None:
+            # A socket file a server that died left behind (compose's command removes it too).
+            self.uds.unlink(missing_ok=True)
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.process = subprocess.Popen(
             command,
@@ -184,7 +197,7 @@ class ShopServer:
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.kind} exited with {self.process.returncode} at start")
             try:
-                if self._healthz_status() == 200:
+                if self.healthz_status() == 200:
                     return self
             except (urllib.error.URLError, OSError, IndexError, ValueError):
                 pass  # not listening yet, or closed before a whole status line
@@ -192,7 +205,7 @@ class ShopServer:
         self.stop()
         raise RuntimeError(f"{self.kind} did not answer /healthz within {timeout} s")
 
-    def _healthz_status(self) -> int:
+    def healthz_status(self) -> int:
         """The status /healthz answers, on the server's port or its unix socket."""
         if self.uds is None:
             with urllib.request.urlopen(f"{self.url}/healthz", timeout=2) as response:
