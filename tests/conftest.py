@@ -152,7 +152,7 @@ def start_shop(*, kind: str = "granian", threads: int = 4, **overrides: object) 
 
 @pytest.fixture(scope="session")
 def shop_server(django_db_setup, django_db_blocker) -> Iterator[ShopServer]:
-    """One real gunicorn for the session; `unsafe` gets a delay that widens its race."""
+    """One real granian server for the session; `unsafe` gets a delay that widens its race."""
     server = start_shop(FLASHSALE_UNSAFE_DELAY_MS=15)
     yield server
     server.stop()
