@@ -1,10 +1,11 @@
 """How a writer waits for a stock row: each wait bounded, and the writer gates.
 
-A row-lock wait never outlasts ROW_LOCK_TIMEOUT_MS, nor what is left of the
+A row-lock or gate wait never outlasts ROW_LOCK_TIMEOUT_MS, nor what is left of the
 checkout's deadline (`row_lock_wait`); past it the statement raises RowLockTimeout and writes
 nothing. A writer gate is a PostgreSQL advisory lock per row, held to the commit: the writers
 that decide by no lock (`optimistic`, the fallback) try it before they write (never waiting:
-the sale statement's `gated` form) so that at most one of their connections queues on a row.
+the sale statement's `gated` form) so that at most one of their connections queues on a row;
+after too many lost races they queue on the gates (`wait_for_gates`).
 Lock order: stock rows in index order, then the item row. Decision record:
 docs/decisions/0002-units-off-the-hot-row.md.
 """
@@ -12,6 +13,7 @@ docs/decisions/0002-units-off-the-hot-row.md.
 from __future__ import annotations
 
 from django.db import OperationalError, connection
+from django.db.backends.utils import CursorWrapper
 
 from . import deadline
 from .models import Item
@@ -44,17 +46,24 @@ def row_lock_wait(sku: str) -> str:
     return f"{deadline.wait_ms(ROW_LOCK_TIMEOUT_MS, sku=sku)}ms"
 
 
-def lock_stock_row(item_id: int) -> StockRow:
+def _bound_lock_waits(cursor: CursorWrapper, sku: str) -> None:
+    """The transaction's next lock wait: at most ROW_LOCK_TIMEOUT_MS, or what is left of the
+    checkout's deadline (Busy when none is)."""
+    cursor.execute("SELECT set_config('lock_timeout', %s, true)", [row_lock_wait(sku)])
+
+
+def lock_stock_row(item: Item) -> StockRow:
     """Read the item's stock holding its row lock until the transaction ends.
 
-    Call inside a transaction. Waits at most ROW_LOCK_TIMEOUT_MS, then raises
-    RowLockTimeout (the transaction is then unusable: let it roll back).
+    Call inside a transaction. Waits at most ROW_LOCK_TIMEOUT_MS or what is left of the
+    checkout's deadline, then raises RowLockTimeout (the transaction is then unusable: let it
+    roll back).
     """
     with connection.cursor() as cursor:
-        cursor.execute(f"SET LOCAL lock_timeout = '{int(ROW_LOCK_TIMEOUT_MS)}ms'")
+        _bound_lock_waits(cursor, item.sku)
     try:
         stock, version = (
-            Item.objects.select_for_update().values_list("stock", "version").get(pk=item_id)
+            Item.objects.select_for_update().values_list("stock", "version").get(pk=item.pk)
         )
     except OperationalError as exc:
         raise RowLockTimeout(str(exc)) from exc
@@ -63,18 +72,18 @@ def lock_stock_row(item_id: int) -> StockRow:
 
 def wait_for_gates(item: Item) -> None:
     """Take the writer gates of every row `item`'s current sale sells from (its stock rows in
-    index order, else the item row), waiting for each at most ROW_LOCK_TIMEOUT_MS
-    (then RowLockTimeout). Call inside a transaction: they are held until it ends, and its
-    gated sale statements find them held already."""
+    index order, else the item row), waiting for each at most ROW_LOCK_TIMEOUT_MS or what is
+    left of the checkout's deadline (then RowLockTimeout). Call inside a transaction: they are
+    held until it ends, and its gated sale statements find them held already."""
     if item.shard_count:
         sale = item.current_sale_id or 0
         gates = [gate(sale, index) for index in range(item.shard_count)]
     else:
         gates = [gate(item.pk)]
     with connection.cursor() as cursor:
-        cursor.execute(f"SET LOCAL lock_timeout = '{int(ROW_LOCK_TIMEOUT_MS)}ms'")
         try:
             for namespace, key in gates:
+                _bound_lock_waits(cursor, item.sku)
                 cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", [namespace, key])
         except OperationalError as exc:
             raise RowLockTimeout(str(exc)) from exc

@@ -87,7 +87,7 @@ class OptimisticStrategy(StockStrategy):
                     strategy=self.name, shard_units=plan_rows(levels, qty), gated=True
                 )
         else:
-            seen = lock_stock_row(item.pk) if locked else read_stock(item.pk)
+            seen = lock_stock_row(item) if locked else read_stock(item.pk)
             left = seen.stock
             if left >= qty:
                 return Allocation(strategy=self.name, expected_version=seen.version, gated=True)

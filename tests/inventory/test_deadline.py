@@ -12,9 +12,10 @@ from django.db import connection
 from django.test import Client
 
 from inventory import row_locks
-from inventory.models import Order
+from inventory.models import Item, Order
 from inventory.selectors import audit_sale
 from inventory.services import start_sale
+from inventory.strategies import optimistic
 from locking import Lock
 from tests.conftest import test_database_url
 
@@ -39,9 +40,9 @@ def _checkout(client: Client, **body):
 
 def _checkout_while(hold: Callable[[], None], release: Callable[[], None], **body):
     """A checkout sent while `hold` holds what it needs, released only once the checkout is
-    answered (or after 30 s). The checkout's own waits are set to outlast that: while it is
-    held, only its deadline can answer it; without the deadline it would wait for the
-    release, and sell."""
+    answered (or after 30 s: then the test fails). The checkout's own waits are set to outlast
+    that: while it is held, only its deadline can answer it; without the deadline it would wait
+    for the release."""
 
     def checkout():
         try:
@@ -53,8 +54,9 @@ def _checkout_while(hold: Callable[[], None], release: Callable[[], None], **bod
     try:
         with ThreadPoolExecutor(1) as pool:
             answer = pool.submit(checkout)
-            wait([answer], timeout=30)
+            answered_while_held = bool(wait([answer], timeout=30).done)
             release()
+            assert answered_while_held, "the checkout waited for the release, past its deadline"
             return answer.result(timeout=30)
     finally:
         release()
@@ -118,3 +120,30 @@ def test_a_lock_held_past_the_deadline_answers_busy_and_sells_nothing(settings):
     assert not Order.objects.filter(buyer="waiter").exists()
     assert audit_sale("locked")["db_stock"] == 10
     connection.close()
+
+
+def test_a_writer_gate_held_past_the_deadline_answers_busy_and_sells_nothing(settings, monkeypatch):
+    # Given `optimistic` queuing on its rows' writer gate at once (every race counted lost),
+    # the gate held by another session for longer than the 300 ms deadline (lock waits of
+    # their own outlast it: a minute)
+    settings.FLASHSALE_CHECKOUT_DEADLINE_MS = 300
+    monkeypatch.setattr(row_locks, "ROW_LOCK_TIMEOUT_MS", 60_000)
+    monkeypatch.setattr(optimistic, "MAX_ATTEMPTS", 0)
+    start_sale(sku="gated", stock=10, strategy="optimistic")
+    holder = psycopg.connect(test_database_url().replace("postgres://", "postgresql://"))
+
+    def hold() -> None:
+        holder.execute(
+            "SELECT pg_advisory_lock(%s, %s)", row_locks.gate(Item.objects.get(sku="gated").pk)
+        )
+
+    # When a buyer checks out
+    response = _checkout_while(hold, holder.close, sku="gated", qty=1, buyer="queued")
+
+    # Then it is answered 503 busy, and nothing of it was sold
+    assert response.status_code == 503, response.content
+    assert response.json()["error"] == "busy" and response["Retry-After"]
+    assert not Order.objects.filter(buyer="queued").exists()
+    assert audit_sale("gated")["db_stock"] == 10
+    # and once the gate is free, the queue sells
+    assert _checkout(Client(), sku="gated", qty=1, buyer="after").status_code == 201
