@@ -16,6 +16,7 @@ from inventory.orders import expire_order, reconcile_sale
 from inventory.selectors import audit_sale
 from inventory.services import start_sale
 from loadtest.flood import flood
+from tests.conftest import start_shop
 
 STOCK = 50
 BUYERS = 32
@@ -119,10 +120,20 @@ def test_unsafe_oversells_under_the_same_flood(shop_server):
     assert not audit["consistent"], audit
 
 
-def test_segmented_mixed_quantities_and_the_reconciler_never_deadlock(shop_server):
+@pytest.fixture(scope="module")
+def patient_server(django_db_setup, django_db_blocker):
+    """A shop whose buyers wait up to 20 s for a lock, within a deadline of 30 s: contention
+    alone never makes them give up (`busy`) on a slow host; a deadlock still would, after 20 s."""
+    server = start_shop(FLASHSALE_LOCK_WAIT_MS=20_000, FLASHSALE_CHECKOUT_DEADLINE_MS=30_000)
+    yield server
+    server.stop()
+
+
+def test_segmented_mixed_quantities_and_the_reconciler_never_deadlock(patient_server):
     """Single-shard sales, sales spread over several shards (lock every shard, one statement
     over many rows) and the reconciler (shard rows, then the item row) all lock rows in the
     same order; under a flood of all three at once none deadlocks, none oversells."""
+    url = patient_server.url
     for round_number in range(3):
         # Given 100 units over 10 shards (10 each), two crowds and the reconciler
         sku = f"mixed-{uuid.uuid4().hex[:8]}"
@@ -133,11 +144,9 @@ def test_segmented_mixed_quantities_and_the_reconciler_never_deadlock(shop_serve
         # once while the reconciler runs in a loop
         with ThreadPoolExecutor(3) as pool:
             reconciler = pool.submit(_reconcile_until, sku, stop)
-            singles = pool.submit(
-                flood, shop_server.url, sku, attempts=120, concurrency=12, buyer_prefix="one"
-            )
+            singles = pool.submit(flood, url, sku, attempts=120, concurrency=12, buyer_prefix="one")
             bulk = pool.submit(
-                flood, shop_server.url, sku, attempts=40, concurrency=8, qty=13, buyer_prefix="bulk"
+                flood, url, sku, attempts=40, concurrency=8, qty=13, buyer_prefix="bulk"
             )
             results = [singles.result(), bulk.result()]
             stop.set()
@@ -155,7 +164,7 @@ def test_segmented_mixed_quantities_and_the_reconciler_never_deadlock(shop_serve
         assert audit["consistent"], audit
         # and single units then sell what the crowds left: nothing is stranded
         left = audit["remaining"]
-        drain = flood(shop_server.url, sku, attempts=left + 5, concurrency=4, buyer_prefix="last")
+        drain = flood(url, sku, attempts=left + 5, concurrency=4, buyer_prefix="last")
         assert drain.server_errors == 0
         final = audit_sale(sku)
         assert final["accepted_units"] == 100 and final["remaining"] == 0, final
