@@ -293,6 +293,9 @@ def not_found(request: HttpRequest) -> JsonResponse:
     return error_response("not_found", detail, 404)
 
 
+@csrf_exempt
 def healthz(request: HttpRequest) -> JsonResponse:
+    if request.method not in ("GET", "HEAD"):
+        return method_not_allowed(request, "GET, HEAD")
     state = selectors.health()
     return JsonResponse(state, status=200 if state["ok"] else 503)

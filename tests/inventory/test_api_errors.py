@@ -68,6 +68,7 @@ def test_a_path_with_a_slash_too_many_says_which_one_is_meant(item):
         ("post", "/api/items"),
         ("post", f"/api/orders/{ORDER}"),
         ("post", "/api/items/phone/audit"),
+        ("post", "/healthz"),
     ],
 )
 def test_a_wrong_method_is_a_json_405_even_where_a_page_would_check_csrf(item, method, path):
