@@ -1,12 +1,12 @@
 """Group commit inside one process: the checkouts in flight in it are written together.
 
 A thread hands its request to `Batcher.submit` and waits. When no batch is being written, it
-leads: it takes every request waiting (its own first), runs `write` on them in its own thread
-(its own connections), passes the lead to the oldest request that arrived meanwhile, and gives
-each waiting thread its answer. A lone request is a batch of one that waits for nothing; a
-batch holds the requests that came during the last write, and a leader that finds fewer than
-the last batch held waits up to `gather` seconds for the threads just answered to come back
-(PostgreSQL's `commit_delay`). The batcher knows nothing of what it writes.
+leads: it takes the requests waiting, up to `most` (its own first), runs `write` on them in
+its own thread (its own connections), passes the lead to the oldest request that arrived
+meanwhile, and gives each waiting thread its answer. A lone request is a batch of one that
+waits for nothing; a batch holds the requests that came during the last write, and a leader
+that finds fewer than the last batch held waits up to `gather` seconds for the threads just
+answered to come back (PostgreSQL's `commit_delay`). The batcher knows nothing of what it writes.
 
 A request still waiting when its deadline passes is withdrawn and answered `Expired`: it was
 never written. Once in a batch, it waits for the batch's answer; bounding the write by the

@@ -1,4 +1,5 @@
-"""Stock strategies, picked by name per item (STRATEGIES maps names to classes).
+"""Stock strategies, picked by name per item (STRATEGIES maps names to the dotted paths of
+their classes, imported on first use).
 
 Callers ask `get_strategy(name)` and never branch on the name: a strategy that needs Redis comes
 wrapped in the database fallback.

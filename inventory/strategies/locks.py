@@ -5,8 +5,9 @@ counted in the metrics by strategy.
 `acquire_lock` remembers a lock a Redis failure left in doubt (released on recovery,
 `inventory.breaker`); `release_quietly` absorbs what fails after the commit;
 `lock_wait_seconds` tells the API how long a checkout waited. The lock itself is
-`locking.Lock` (or, for the benchmark's and the lab's peer locks, FLASHSALE_LOCK_FACTORY's:
-a seam of shop.lab_settings).
+`locking.Lock`; `locking.WakeHubLock` when WAKE_HUB is on; for `lock`'s item lock,
+`locking.QuorumLock` when REDIS_LOCK_URLS lists masters; for the benchmark's and the lab's peer
+locks, FLASHSALE_LOCK_FACTORY's (a seam of shop.lab_settings).
 """
 
 from __future__ import annotations

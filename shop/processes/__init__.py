@@ -8,7 +8,8 @@
   `embedded_redis` are the two services, `embedded` what they share;
 - `children`: `die_with_parent` and the other helpers for the children these start;
 - `serve`: `make serve`, the shop with its Celery worker and beat (`python -m shop.serve`);
-- `servers`: `ShopServer` (a real gunicorn) and `CeleryWorker`, for load runs and tests.
+- `servers`: `ShopServer` (a real granian, or gunicorn's sync or gthread workers) and
+  `CeleryWorker`, for load runs and tests.
 
 Nothing here imports Django at module level: `devservices` runs before any settings exist.
 """

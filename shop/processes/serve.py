@@ -2,7 +2,7 @@
 docs/decisions/0001 chose it), a Celery worker and Celery beat (the order sweeper and
 reconciler).
 
-Usage: python -m shop.serve [--host 127.0.0.1] [--port 8000] [--workers 4]
+Usage: python -m shop.serve [--host 127.0.0.1] [--port 8000] [--workers 2]
 
 Only one may run per checkout: it holds an exclusive lock on .data/serve.lock (which names its
 pid and address) and checks the port is free before starting anything. Ctrl-C or SIGTERM stops
