@@ -293,7 +293,11 @@ def test_declined_payments_give_their_units_back_exactly_once(shop_server, strat
 
         # When buyers flood it, and then every order settles
         result = flood(shop_server.url, sku, attempts=240, concurrency=16, pause=0.01)
-        assert result.server_errors == 0 and result.transport_failures == 0
+        # (near the sell-out a slow host may answer a buyer `busy`, who waited a second for a
+        # lock: a 503 with Retry-After that sold nothing, the only server error allowed)
+        assert result.transport_failures == result.not_json == 0, dict(result.statuses)
+        assert result.server_errors == result.errors["busy"], dict(result.statuses)
+        assert result.busy_without_retry_after == 0
         assert wait_until(lambda: _all_settled(sku), timeout=90), _statuses(sku)
     finally:
         worker.stop()
