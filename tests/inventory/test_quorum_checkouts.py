@@ -51,7 +51,11 @@ def _masters_back(masters):
 
 def _sold_exactly(sku: str, result, stock: int) -> dict:
     context = f"{dict(result.statuses)} {dict(result.errors)}"
-    assert result.transport_failures == 0 and result.server_errors == 0, context
+    # A buyer who waited its second for the lock on a slow host is answered `busy` (a 503 with
+    # Retry-After that sold nothing): the only server error allowed; the crowd buys on.
+    assert result.transport_failures == result.not_json == 0, context
+    assert result.server_errors == result.errors["busy"], context
+    assert result.busy_without_retry_after == 0, context
     assert result.accepted == stock, context
     audit = audit_sale(sku)
     assert audit["oversold"] == 0 and audit["accepted_units"] == stock, audit
@@ -89,7 +93,8 @@ def test_a_lock_sale_on_a_quorum_of_masters(quorum_shop, masters, killed):
     thread.join(150)
     assert not thread.is_alive()
 
-    # Then no buyer saw a server error, exactly the stock was sold, every 201 is an order
+    # Then no buyer saw a server error but `busy`, exactly the stock was sold, every 201 is an
+    # order
     _sold_exactly(sku, result, stock)
     orders = Order.objects.filter(item__sku=sku)
     if killed < 2:
