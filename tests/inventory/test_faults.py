@@ -188,47 +188,58 @@ def _order_worker(shop: Shop) -> psutil.Process:
     return psutil.Process(shop.worker.process.pid)
 
 
-def _kill(process: Callable[[Shop], psutil.Process]) -> Callable[[Shop], None]:
-    def fault(shop: Shop) -> None:
+def _kill(process: Callable[[Shop], psutil.Process]) -> Callable[[Shop], float]:
+    def fault(shop: Shop) -> float:
         process(shop).kill()
+        return time.monotonic()
 
     return fault
 
 
 def _stop(
     process: Callable[[Shop], psutil.Process], *, children: bool = True
-) -> Callable[[Shop], None]:
+) -> Callable[[Shop], float]:
     """Stopped for STOPPED_SECONDS, with the processes it started (`children`) or while they go
     on."""
 
-    def fault(shop: Shop) -> None:
+    def fault(shop: Shop) -> float:
         stopped = process(shop)
         group = [stopped, *(stopped.children(recursive=True) if children else [])]
         for one in group:
             one.suspend()
+        struck = time.monotonic()
         time.sleep(STOPPED_SECONDS)  # the fault: stopped this long, while the crowd buys
         for one in group:
             one.resume()
+        return struck
 
     return fault
 
 
-def _kill_redis(shop: Shop) -> None:
+def _kill_redis(shop: Shop) -> float:
+    struck = time.monotonic()
     shop.redis.kill()
     shop.redis.restart()  # back at once, empty
+    return struck
 
 
-def _stop_redis(shop: Shop) -> None:
+def _stop_redis(shop: Shop) -> float:
+    struck = time.monotonic()
     shop.redis.pause()
     time.sleep(STOPPED_SECONDS)  # the fault: stopped this long, while the crowd buys
     shop.redis.resume()
+    return struck
 
 
-def _restart_postgres(shop: Shop) -> None:
+def _restart_postgres(shop: Shop) -> float:
+    struck = time.monotonic()
     shop.postgres.restart(down=DOWN_SECONDS)
+    return struck
 
 
-FAULTS: dict[str, Callable[[Shop], None]] = {
+#: Each fault returns when it struck: for a web worker, once its signal is sent (a probe asked
+#: before that, on a slow host, may be one the worker had taken already).
+FAULTS: dict[str, Callable[[Shop], float]] = {
     "web worker killed": _kill(_web_worker),
     "web worker stopped": _stop(_web_worker),
     "web server's main process stopped": _stop(_web_server, children=False),
@@ -274,8 +285,7 @@ def _sale_through(shop: Shop, fault: str, strategy: str, keyed: bool) -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and len(shop.orders(sku)) < STOCK // 5:
             time.sleep(0.05)
-        struck = time.monotonic()
-        FAULTS[fault](shop)
+        struck = FAULTS[fault](shop)
         crowd.join(300)
     finally:
         health.end()
