@@ -23,7 +23,13 @@ from loadtest.flood import flood
 from locking.cluster import slot
 from shop.processes.redis_cluster import LocalCluster
 from tests.conftest import server_env, start_shop, wait_until
-from tests.support import crowd_in_rounds, flood_sells_exactly_the_stock, run_in_thread, sold_out
+from tests.support import (
+    BUSY_RETRIES,
+    crowd_in_rounds,
+    flood_sells_exactly_the_stock,
+    run_in_thread,
+    sold_out,
+)
 
 STOCK = 50
 BUYERS = 24
@@ -84,7 +90,9 @@ def test_every_strategy_sells_exactly_its_stock_on_a_cluster(cluster_shop, strat
         start_sale(sku=sku, stock=STOCK, strategy=strategy)
 
         # When they all try to buy one
-        result = flood(cluster_shop.url, sku, attempts=ATTEMPTS, concurrency=BUYERS)
+        result = flood(
+            cluster_shop.url, sku, attempts=ATTEMPTS, concurrency=BUYERS, retry_busy=BUSY_RETRIES
+        )
 
         # Then exactly the stock is sold, the rest told sold out, the audit consistent
         assert result.errors == {"sold_out": ATTEMPTS - STOCK}, (round_number, result.errors)
@@ -100,7 +108,7 @@ def test_segmented_spreads_an_items_shards_over_the_masters(cluster, cluster_sho
     # Given a segmented sale of 100 units (10 shards), partly sold
     sku = f"cl-spread-{uuid.uuid4().hex[:8]}"
     start_sale(sku=sku, stock=100, strategy="segmented")
-    result = flood(cluster_shop.url, sku, attempts=40, concurrency=8)
+    result = flood(cluster_shop.url, sku, attempts=40, concurrency=8, retry_busy=BUSY_RETRIES)
     assert result.accepted == 40, dict(result.statuses)
 
     # Then each shard's hint shares its master with its shard's lock, and the shards of the
@@ -126,7 +134,7 @@ def test_the_pages_health_check_and_reconciler_work_on_a_cluster(cluster, cluste
     # Given a sale on the cluster, partly sold
     sku = f"cl-pages-{strategy}-{uuid.uuid4().hex[:6]}"
     start_sale(sku=sku, stock=STOCK, strategy=strategy)
-    result = flood(cluster_shop.url, sku, attempts=10, concurrency=5)
+    result = flood(cluster_shop.url, sku, attempts=10, concurrency=5, retry_busy=BUSY_RETRIES)
     assert result.accepted == 10, dict(result.statuses)
 
     # Then the health check sees the cluster, and the API and the item page show the stock

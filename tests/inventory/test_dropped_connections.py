@@ -16,6 +16,7 @@ from inventory.services import start_sale
 from loadtest.flood import flood
 from shop.processes.ports import free_port
 from tests.conftest import start_shop, start_worker, wait_until
+from tests.support import BUSY_RETRIES
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -81,7 +82,7 @@ def test_checkouts_after_the_server_dropped_every_connection_succeed(persistent_
     # Given a sale every web worker has served, each holding its database connection open
     sku = f"dropped-{strategy}-{uuid.uuid4().hex[:6]}"
     start_sale(sku=sku, stock=1000, strategy=strategy)
-    warm = flood(persistent_shop.url, sku, attempts=120, concurrency=12)
+    warm = flood(persistent_shop.url, sku, attempts=120, concurrency=12, retry_busy=BUSY_RETRIES)
     assert warm.accepted == 120, dict(warm.statuses)
 
     # When the server terminates every other connection to the database
@@ -103,7 +104,7 @@ def test_the_first_checkout_and_order_after_every_connection_dropped_succeed(
     url, worker_metrics = persistent_sale_path
     sku = f"dropped-path-{strategy}-{uuid.uuid4().hex[:6]}"
     start_sale(sku=sku, stock=1000, strategy=strategy)
-    warm = flood(url, sku, attempts=60, concurrency=6)
+    warm = flood(url, sku, attempts=60, concurrency=6, retry_busy=BUSY_RETRIES)
     assert warm.accepted == 60, dict(warm.statuses)
     assert wait_until(lambda: _confirmed(sku) == 60, timeout=60), _confirmed(sku)
     retries_before = _task_retries(worker_metrics)

@@ -1,4 +1,4 @@
-"""Invariants 1-3 under a real flood: separate buyer processes, a real gunicorn, real PostgreSQL
+"""Invariants 1-3 under a real flood: separate buyer processes, a real web server, real PostgreSQL
 and Redis. Every round checks exact counts, repeated to give a race room to show."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from inventory.selectors import audit_sale
 from inventory.services import start_sale
 from loadtest.flood import flood
 from tests.conftest import start_shop
+from tests.support import BUSY_RETRIES
 
 STOCK = 50
 BUYERS = 32
@@ -34,7 +35,9 @@ def test_a_flood_sells_exactly_the_stock(shop_server, strategy):
         start_sale(sku=sku, stock=STOCK, strategy=strategy)
 
         # When they all try to buy one
-        result = flood(shop_server.url, sku, attempts=ATTEMPTS, concurrency=BUYERS)
+        result = flood(
+            shop_server.url, sku, attempts=ATTEMPTS, concurrency=BUYERS, retry_busy=BUSY_RETRIES
+        )
 
         # Then exactly the stock is sold, every answer is a 201 or a 409, and nothing is left
         context = f"{strategy} round {round_number}: {dict(result.statuses)} {dict(result.errors)}"
@@ -86,13 +89,15 @@ def test_lock_units_given_back_after_the_sell_out_are_sold_again(shop_server):
         flood_over = threading.Event()
         expirer = threading.Thread(target=_expire_pending, args=(sku, expired, flood_over))
         expirer.start()
-        result = flood(shop_server.url, sku, attempts=ATTEMPTS, concurrency=BUYERS)
+        result = flood(
+            shop_server.url, sku, attempts=ATTEMPTS, concurrency=BUYERS, retry_busy=BUSY_RETRIES
+        )
         flood_over.set()
         expirer.join(timeout=150)
         assert not expirer.is_alive() and len(expired) == 12
 
         # When buyers come back one at a time
-        again = flood(shop_server.url, sku, attempts=20, concurrency=1)
+        again = flood(shop_server.url, sku, attempts=20, concurrency=1, retry_busy=BUSY_RETRIES)
 
         # Then every unit given back was sold again: no mark outlived units that came back
         context = f"round {round_number}: {dict(result.statuses)} then {dict(again.statuses)}"

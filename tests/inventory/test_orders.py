@@ -28,6 +28,7 @@ from shop import queues
 from shop.processes.redis_server import RedisServer
 from shop.processes.servers import PROJECT_DIR as ROOT
 from tests.conftest import server_env, start_shop, start_worker, wait_until
+from tests.support import BUSY_RETRIES
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("no_queued_orders")]
 
@@ -56,7 +57,7 @@ def test_a_worker_confirms_every_accepted_order(shop_server):
         start_sale(sku=sku, stock=200, strategy="lua")
 
         # When a flood buys all of it
-        result = flood(shop_server.url, sku, attempts=260, concurrency=16)
+        result = flood(shop_server.url, sku, attempts=260, concurrency=16, retry_busy=BUSY_RETRIES)
         assert result.accepted == 200 and result.server_errors == 0
 
         # Then the worker confirms all 200, each paid once
@@ -142,7 +143,7 @@ def test_a_killed_worker_loses_nothing_and_pays_nothing_twice(shop_server, monke
     # Given 200 accepted orders waiting in the queue
     sku = f"crash-{uuid.uuid4().hex[:6]}"
     start_sale(sku=sku, stock=200, strategy="segmented")
-    result = flood(shop_server.url, sku, attempts=200, concurrency=16)
+    result = flood(shop_server.url, sku, attempts=200, concurrency=16, retry_busy=BUSY_RETRIES)
     assert result.accepted == 200
 
     # When a worker is SIGKILLed mid-batch, in the middle of payments (one at a time, so that
@@ -200,7 +201,7 @@ def test_on_rabbitmq_a_killed_workers_orders_come_back_without_the_sweeper():
     start_sale(sku=sku, stock=120, strategy="lua")
     server = start_shop(**broker)
     try:
-        result = flood(server.url, sku, attempts=120, concurrency=12)
+        result = flood(server.url, sku, attempts=120, concurrency=12, retry_busy=BUSY_RETRIES)
     finally:
         server.stop()
     assert result.accepted == 120 and result.server_errors == 0

@@ -20,6 +20,7 @@ from inventory.services import place_order, start_sale
 from inventory.strategies import segmented
 from inventory.strategies.counters import counter
 from loadtest.flood import flood
+from tests.support import BUSY_RETRIES
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -32,7 +33,7 @@ def test_a_flood_writes_the_stock_rows_and_leaves_the_item_row_alone(shop_server
     before = Item.objects.get(sku=sku)
 
     # When a crowd buys it out
-    result = flood(shop_server.url, sku, attempts=240, concurrency=24)
+    result = flood(shop_server.url, sku, attempts=240, concurrency=24, retry_busy=BUSY_RETRIES)
 
     # Then exactly the stock was sold, and the item row was never written: its stock and
     # version are those the sale started with, while its derived stock is 0
