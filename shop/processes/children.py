@@ -9,11 +9,21 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+from collections.abc import Callable
 
 
 def pid_alive(pid: int) -> bool:
+    return _signal_reaches(os.kill, pid)
+
+
+def group_alive(group: int) -> bool:
+    """Whether any process of process group `group` is left (one not yet reaped counts)."""
+    return _signal_reaches(os.killpg, group)
+
+
+def _signal_reaches(send: Callable[[int, int], None], target: int) -> bool:
     try:
-        os.kill(pid, 0)
+        send(target, 0)
     except ProcessLookupError:
         return False
     except PermissionError:

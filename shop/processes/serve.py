@@ -8,7 +8,10 @@ Only one may run per checkout: it holds an exclusive lock on .data/serve.lock (w
 pid and address) and checks the port is free before starting anything. Ctrl-C or SIGTERM stops
 them all and exits 0. A process that dies on its own is started again while the others go on
 (as compose's `restart:` does); one that keeps dying (more than RESTART_LIMIT times in
-RESTART_WINDOW seconds) stops them all, with a non-zero exit status.
+RESTART_WINDOW seconds) stops them all, with a non-zero exit status. granian's workers outlive
+its main process and go on serving: when it dies they serve until the new server's workers
+listen, then finish the requests they hold and exit (`Retiring`), so that nothing goes
+unanswered while the web server is started again.
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from .children import die_with_parent, exit_status
+import psutil
+
+from .children import die_with_parent, exit_status, group_alive
 from .embedded import ROOT
 from .servers import GRANIAN_THREADS, GRANIAN_WORKERS, granian_command
 
@@ -38,6 +44,7 @@ READY_TIMEOUT_SECONDS = 60.0
 #: again: the whole server stops, with its exit status.
 RESTART_LIMIT = 5
 RESTART_WINDOW = 60.0
+WEB_SERVER = "the web server (granian)"
 
 
 def say(message: str) -> None:
@@ -94,6 +101,34 @@ def port_accepts(host: str, port: int) -> bool:
         return False
 
 
+def listening(main: int, port: int) -> int:
+    """How many children of process `main` listen on TCP `port` (granian's workers, each on a
+    socket of its own)."""
+    count = 0
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process(main).children():
+            with contextlib.suppress(psutil.Error):
+                if any(
+                    held.status == psutil.CONN_LISTEN and held.laddr.port == port
+                    for held in child.net_connections("tcp")
+                ):
+                    count += 1
+    return count
+
+
+@dataclass
+class Retiring:
+    """The workers a dead granian main process left in its process group `group`, serving on
+    the port beside the new server's (each worker's socket is its own, SO_REUSEPORT). They are
+    asked to stop (SIGTERM: granian's workers finish the requests they hold) once the new
+    server's workers listen, or READY_TIMEOUT_SECONDS after it was started, and killed
+    STOP_TIMEOUT_SECONDS after that."""
+
+    group: int
+    since: float
+    stopping_since: float | None = None
+
+
 class Server:
     def __init__(self, host: str, port: int, workers: int) -> None:
         self.host, self.port, self.workers = host, port, workers
@@ -103,6 +138,7 @@ class Server:
         self.commands: dict[str, list[str]] = {}
         #: When each child exited, lately (`_restart`).
         self.exits: dict[str, list[float]] = {}
+        self.retiring: list[Retiring] = []
 
     def _on_signal(self, signum: int, _frame) -> None:
         self.stop_requested = signum
@@ -135,7 +171,7 @@ class Server:
         shutil.rmtree(metrics, ignore_errors=True)
         metrics.mkdir(parents=True)
         self._spawn(
-            "the web server (granian)",
+            WEB_SERVER,
             granian_command(
                 host=self.host, port=self.port, workers=self.workers, threads=GRANIAN_THREADS
             )
@@ -167,6 +203,7 @@ class Server:
                         + (", ".join(others) if others else "the rest")
                     )
                     return code or 1
+            self._retire()
             if not announced:
                 if port_accepts(self.host, self.port):
                     print(
@@ -190,12 +227,38 @@ class Server:
         self.exits[name] = recent
         if len(recent) > RESTART_LIMIT:
             return False
-        # Whatever it left in its process group (a killed master's workers) goes first.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.children[name].pid, signal.SIGKILL)
-        say(f"{name} exited with code {code}; starting it again")
+        group = self.children[name].pid
+        if name == WEB_SERVER and group_alive(group):
+            # Its workers serve on: they stop once the new server's workers listen.
+            self.retiring.append(Retiring(group, since=now))
+            say(f"{name} exited with code {code}; starting it again (its workers serve meanwhile)")
+        else:
+            # Whatever it left in its process group (a killed Celery main's children) goes.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, signal.SIGKILL)
+            say(f"{name} exited with code {code}; starting it again")
         self._spawn(name, self.commands[name])
         return True
+
+    def _retire(self) -> None:
+        """Stop the workers of a dead web server once the new one's listen (`Retiring`)."""
+        now = time.monotonic()
+        server = self.children[WEB_SERVER]
+        for retiring in list(self.retiring):
+            if not group_alive(retiring.group):
+                self.retiring.remove(retiring)
+            elif retiring.stopping_since is None:
+                if (
+                    listening(server.pid, self.port) >= self.workers
+                    or now > retiring.since + READY_TIMEOUT_SECONDS
+                ):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(retiring.group, signal.SIGTERM)
+                    retiring.stopping_since = now
+            elif now > retiring.stopping_since + STOP_TIMEOUT_SECONDS:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(retiring.group, signal.SIGKILL)
+                self.retiring.remove(retiring)
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         # Sessions of their own: a Ctrl-C reaches this process only, which then stops both in
@@ -215,6 +278,9 @@ class Server:
         for proc in self.children.values():
             if proc.poll() is None:
                 proc.terminate()
+        for retiring in self.retiring:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(retiring.group, signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT_SECONDS
         for name, proc in self.children.items():
             try:
@@ -227,6 +293,12 @@ class Server:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
         self.children.clear()
+        for retiring in self.retiring:
+            while group_alive(retiring.group) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(retiring.group, signal.SIGKILL)
+        self.retiring.clear()
 
 
 def main(argv: list[str] | None = None) -> int:

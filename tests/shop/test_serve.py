@@ -1,5 +1,6 @@
 """`make serve` (`python -m shop.serve`) survives the death of any one of its processes: it
-starts the one that died again while the others go on, as compose's `restart:` does."""
+starts the one that died again while the others go on, as compose's `restart:` does. When
+granian's main process dies, its workers answer the checkouts they hold before they stop."""
 
 from __future__ import annotations
 
@@ -7,14 +8,20 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
 import pytest
 
+from inventory.models import Order
+from inventory.selectors import audit_sale
+from inventory.services import start_sale
+from loadtest.flood import flood
 from shop.processes.ports import free_port
 from shop.processes.servers import PROJECT_DIR, stop_group
 from tests.conftest import answers_ok, server_env, wait_until
+from tests.support import run_in_thread
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -30,20 +37,36 @@ def _child(serve: subprocess.Popen[bytes], marker: str) -> psutil.Process | None
     return None
 
 
-@pytest.mark.parametrize(
-    "marker", ["shop.wsgi:application", "celery -A shop worker", "celery -A shop beat"]
-)
-def test_serve_starts_a_process_that_died_again(tmp_path, marker):
-    # Given `make serve`'s supervisor running the shop, its worker and beat
-    port = free_port()
-    env = {**os.environ, **server_env(), "FLASHSALE_WORKER_METRICS_PORT": str(free_port())}
-    serve = subprocess.Popen(
+def _serve(tmp_path, port: int, **overrides: object) -> subprocess.Popen[bytes]:
+    """`make serve`'s supervisor on `port`, its log in tmp_path/serve.log."""
+    env = {
+        **os.environ,
+        **server_env(**overrides),
+        "FLASHSALE_WORKER_METRICS_PORT": str(free_port()),
+    }
+    return subprocess.Popen(
         [sys.executable, "-m", "shop.serve", "--port", str(port), "--workers", "2"],
         cwd=PROJECT_DIR,
         env=env,
         start_new_session=True,
         stderr=open(tmp_path / "serve.log", "wb"),  # noqa: SIM115 - the child keeps it
     )
+
+
+def _gone(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.parametrize(
+    "marker", ["shop.wsgi:application", "celery -A shop worker", "celery -A shop beat"]
+)
+def test_serve_starts_a_process_that_died_again(tmp_path, marker):
+    # Given `make serve`'s supervisor running the shop, its worker and beat
+    port = free_port()
+    serve = _serve(tmp_path, port)
     url = f"http://127.0.0.1:{port}"
     try:
         assert wait_until(lambda: answers_ok(f"{url}/healthz"), timeout=90)
@@ -71,3 +94,68 @@ def test_serve_starts_a_process_that_died_again(tmp_path, marker):
     while time.monotonic() < deadline and answers_ok(f"{url}/healthz"):
         time.sleep(0.1)
     assert not answers_ok(f"{url}/healthz")
+
+
+def test_serve_answers_the_checkouts_in_flight_when_granians_main_process_dies(tmp_path):
+    # Given `make serve` selling a `lua` sale whose batches take 1.5 s to write (the lab's
+    # hold delay, between a batch's take and its statement)
+    sku, buyers = "serve-in-flight", 8
+    start_sale(sku=sku, stock=100, strategy="lua", name="Checkouts in flight")
+    port = free_port()
+    serve = _serve(
+        tmp_path, port, FLASHSALE_HOLD_DELAY_MS=1500, FLASHSALE_CHECKOUT_DEADLINE_MS=30000
+    )
+    url = f"http://127.0.0.1:{port}"
+    probed = threading.Event()
+    try:
+        assert wait_until(lambda: answers_ok(f"{url}/healthz"), timeout=90)
+        assert wait_until(lambda: _child(serve, "shop.wsgi:application") is not None, timeout=30)
+        main = _child(serve, "shop.wsgi:application")
+        assert main is not None
+        old_workers = main.children()
+        assert old_workers
+
+        # When checkouts are in flight (a batch has taken its units and not yet written them)
+        flooding, outcome = run_in_thread(
+            lambda: flood(url, sku, attempts=buyers, concurrency=buyers, timeout=60)
+        )
+        assert wait_until(lambda: audit_sale(sku)["redis_stock"] < 100, timeout=30)
+        # and granian's main process is killed (SIGKILL: no goodbye) while /healthz is polled
+        probes: list[bool] = []
+
+        def probe() -> None:
+            while not probed.is_set():
+                probes.append(answers_ok(f"{url}/healthz"))
+
+        prober = threading.Thread(target=probe, daemon=True)
+        main.send_signal(signal.SIGKILL)
+        prober.start()
+
+        # Then every checkout is answered, each a sale with its order: none was dropped
+        flooding.join(120)
+        assert "error" not in outcome, outcome.get("error")
+        result = outcome["result"]
+        assert result.transport_failures == 0
+        assert result.statuses == {201: buyers}, result.statuses
+        placed = Order.objects.filter(public_id__in=result.order_ids).count()
+        assert placed == buyers
+
+        # and the server was started again, its old workers gone once the new ones listen
+        def started_again() -> bool:
+            again = _child(serve, "shop.wsgi:application")
+            return again is not None and again.pid != main.pid
+
+        assert wait_until(started_again, timeout=60), (tmp_path / "serve.log").read_text()
+        assert wait_until(lambda: all(_gone(worker) for worker in old_workers), timeout=60), (
+            tmp_path / "serve.log"
+        ).read_text()
+        # and /healthz answered throughout: the old workers served until the new ones listened
+        probed.set()
+        prober.join(10)
+        assert probes and all(probes), f"{probes.count(False)} of {len(probes)} probes unanswered"
+        assert serve.poll() is None
+        assert "its workers serve meanwhile" in (tmp_path / "serve.log").read_text()
+    finally:
+        probed.set()
+        stop_group(serve, timeout=30)
+    assert serve.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]
