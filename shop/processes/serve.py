@@ -8,10 +8,8 @@ Only one may run per checkout: it holds an exclusive lock on .data/serve.lock (w
 pid and address) and checks the port is free before starting anything. Ctrl-C or SIGTERM stops
 them all and exits 0. A process that dies on its own is started again while the others go on
 (as compose's `restart:` does); one that keeps dying (more than RESTART_LIMIT times in
-RESTART_WINDOW seconds) stops them all, with a non-zero exit status. granian's workers outlive
-its main process and go on serving: when it dies they serve until the new server's workers
-listen, then finish the requests they hold and exit (`Retiring`), so that nothing goes
-unanswered while the web server is started again.
+RESTART_WINDOW seconds) stops them all, with a non-zero exit status. A dead granian's workers
+serve until the new server's listen, then answer what they hold and exit (`Retiring`).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from loadtest.flood import flood
 from shop.processes.ports import free_port
 from shop.processes.servers import PROJECT_DIR, stop_group
 from tests.conftest import answers_ok, server_env, wait_until
-from tests.support import run_in_thread
+from tests.support import gone, run_in_thread
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -51,13 +51,6 @@ def _serve(tmp_path, port: int, **overrides: object) -> subprocess.Popen[bytes]:
         start_new_session=True,
         stderr=open(tmp_path / "serve.log", "wb"),  # noqa: SIM115 - the child keeps it
     )
-
-
-def _gone(process: psutil.Process) -> bool:
-    try:
-        return process.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 @pytest.mark.parametrize(
@@ -146,7 +139,7 @@ def test_serve_answers_the_checkouts_in_flight_when_granians_main_process_dies(t
             return again is not None and again.pid != main.pid
 
         assert wait_until(started_again, timeout=60), (tmp_path / "serve.log").read_text()
-        assert wait_until(lambda: all(_gone(worker) for worker in old_workers), timeout=60), (
+        assert wait_until(lambda: all(gone(worker) for worker in old_workers), timeout=60), (
             tmp_path / "serve.log"
         ).read_text()
         # and /healthz answered throughout: the old workers served until the new ones listened

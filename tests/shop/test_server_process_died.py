@@ -9,15 +9,9 @@ import pytest
 
 from shop.processes.servers import ShopServer
 from tests.conftest import server_env, wait_until
+from tests.support import gone
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def _gone(process: psutil.Process) -> bool:
-    try:
-        return process.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def test_a_server_whose_main_process_died_leaves_no_worker_behind(tmp_path):
@@ -36,11 +30,11 @@ def test_a_server_whose_main_process_died_leaves_no_worker_behind(tmp_path):
 
         # Then its workers go on serving
         assert server.healthz_status() == 200
-        assert not any(_gone(worker) for worker in workers)
+        assert not any(gone(worker) for worker in workers)
 
         # and stopping the server stops them
         server.stop()
-        assert wait_until(lambda: all(_gone(worker) for worker in workers), timeout=10)
+        assert wait_until(lambda: all(gone(worker) for worker in workers), timeout=10)
 
         # and a server starts again on the socket file the dead one left behind
         again = ShopServer(env=server_env(), uds=tmp_path / "web.sock").start()

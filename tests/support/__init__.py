@@ -17,6 +17,8 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import psutil
+
 from shop.processes.ports import free_port
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -68,6 +70,14 @@ def gather_from_processes(processes: list[Any], results: Any, *, timeout: float 
             if process.is_alive():
                 process.kill()
                 process.join()
+
+
+def gone(process: psutil.Process) -> bool:
+    """Whether `process` has exited (reaped, or a zombie nobody has reaped yet)."""
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def run_in_thread(target) -> tuple[threading.Thread, dict]:
