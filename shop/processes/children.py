@@ -21,6 +21,12 @@ def group_alive(group: int) -> bool:
     return _signal_reaches(os.killpg, group)
 
 
+def signal_group(group: int, signum: int) -> None:
+    """Send `signum` to process group `group`; nothing when none of it is left."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, signum)
+
+
 def _signal_reaches(send: Callable[[int, int], None], target: int) -> bool:
     try:
         send(target, 0)

@@ -30,7 +30,7 @@ from typing import IO
 
 import psutil
 
-from .children import die_with_parent, exit_status, group_alive
+from .children import die_with_parent, exit_status, group_alive, signal_group
 from .embedded import ROOT
 from .servers import GRANIAN_THREADS, GRANIAN_WORKERS, granian_command
 
@@ -232,8 +232,7 @@ class Server:
             say(f"{name} exited with code {code}; starting it again (its workers serve meanwhile)")
         else:
             # Whatever it left in its process group (a killed Celery main's children) goes.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(group, signal.SIGKILL)
+            signal_group(group, signal.SIGKILL)
             say(f"{name} exited with code {code}; starting it again")
         self._spawn(name, self.commands[name])
         return True
@@ -250,12 +249,10 @@ class Server:
                     listening(server.pid, self.port) >= self.workers
                     or now > retiring.since + READY_TIMEOUT_SECONDS
                 ):
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(retiring.group, signal.SIGTERM)
+                    signal_group(retiring.group, signal.SIGTERM)
                     retiring.stopping_since = now
             elif now > retiring.stopping_since + STOP_TIMEOUT_SECONDS:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(retiring.group, signal.SIGKILL)
+                signal_group(retiring.group, signal.SIGKILL)
                 self.retiring.remove(retiring)
 
     def _spawn(self, name: str, argv: list[str]) -> None:
@@ -277,8 +274,7 @@ class Server:
             if proc.poll() is None:
                 proc.terminate()
         for retiring in self.retiring:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(retiring.group, signal.SIGTERM)
+            signal_group(retiring.group, signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT_SECONDS
         for name, proc in self.children.items():
             try:
@@ -288,14 +284,12 @@ class Server:
                 proc.kill()
                 proc.wait()
             # Whatever the child left in its process group (workers) goes with it.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            signal_group(proc.pid, signal.SIGKILL)
         self.children.clear()
         for retiring in self.retiring:
             while group_alive(retiring.group) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(retiring.group, signal.SIGKILL)
+            signal_group(retiring.group, signal.SIGKILL)
         self.retiring.clear()
 
 

@@ -7,7 +7,6 @@ without stopping it (killed, or crashed): none outlives its starter."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import shutil
@@ -22,7 +21,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from .children import die_with_parent
+from .children import die_with_parent, signal_group
 from .ports import free_port
 
 PROJECT_DIR = Path(__file__).resolve().parents[2]
@@ -34,8 +33,7 @@ def kill_group(process: subprocess.Popen[bytes] | None) -> None:
     if process is None:
         return
     # While a process is left in the group, the kernel gives its number to no other process.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
+    signal_group(process.pid, signal.SIGKILL)
     process.wait()
 
 
