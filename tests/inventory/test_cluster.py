@@ -224,7 +224,14 @@ def test_a_master_killed_mid_sale_fails_over_and_nothing_is_oversold_or_lost(
         "lua": keys.turn,
     }[strategy](item)
     buyers, result = crowd_in_rounds(
-        cluster_shop.url, sku, until=sold_out, attempts=240, concurrency=8, pause=0.08, within=150
+        cluster_shop.url,
+        sku,
+        until=sold_out,
+        attempts=240,
+        concurrency=8,
+        pause=0.08,
+        within=150,
+        retry_busy=BUSY_RETRIES,
     )
 
     # When the master serving the sale's hot slot is SIGKILLed once a tenth is sold

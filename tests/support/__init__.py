@@ -105,11 +105,13 @@ def crowd_in_rounds(
     concurrency: int,
     pause: float = 0.0,
     within: float = 300.0,
+    retry_busy: int = 0,
 ) -> tuple[threading.Thread, Any]:
-    """Start a crowd buying sku in a thread: rounds of `attempts` checkouts (`loadtest.flood`),
-    each round's buyers named apart, until `until(so_far)` holds as a round starts, then that
-    round, the last; no round starts after `within` seconds. Returns the thread and the
-    rounds' merged FloodResult, final once the thread has ended.
+    """Start a crowd buying sku in a thread: rounds of `attempts` checkouts (`loadtest.flood`,
+    each buyer resending a `503 busy` up to `retry_busy` times), each round's buyers named
+    apart, until `until(so_far)` holds as a round starts, then that round, the last; no round
+    starts after `within` seconds. Returns the thread and the rounds' merged FloodResult, final
+    once the thread has ended.
 
     A crowd of a fixed number of checkouts can be over before what a test waits for happens (a
     slow restart, a slow failover), or run out of checkouts before the sale is sold out."""
@@ -129,6 +131,7 @@ def crowd_in_rounds(
                     concurrency=concurrency,
                     pause=pause,
                     buyer_prefix=f"buyer{round_}",
+                    retry_busy=retry_busy,
                 )
             )
             if last:
