@@ -1,4 +1,5 @@
-# One image for the web (granian), worker and beat (Celery) services of docker-compose.yml.
+# One image for the web (granian, under shop.serve), worker and beat (Celery) services of
+# docker-compose.yml.
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -27,4 +28,7 @@ RUN DATABASE_URL=postgres://build@localhost/build python manage.py collectstatic
 USER flashsale
 
 EXPOSE 8000
-CMD ["granian", "--interface", "wsgi", "--no-ws", "--host", "0.0.0.0", "--port", "8000", "--workers", "2", "--blocking-threads", "8", "--respawn-failed-workers", "--log-config", "shop/granian_logging.json", "--access-log", "shop.wsgi:application"]
+# The web server under its supervisor, as compose's web runs it (on a port here): it migrates,
+# and starts granian again if its main process dies while the workers answer what they hold;
+# `docker run --init` (compose: `init: true`) reaps the workers such a death leaves.
+CMD ["python", "-m", "shop.serve", "--web-only", "--host", "0.0.0.0", "--port", "8000"]

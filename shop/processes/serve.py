@@ -1,15 +1,17 @@
 """What `make serve` runs (inside shop.devservices): migrate, then the web server (granian, as
 docs/decisions/0001 chose it), a Celery worker and Celery beat (the order sweeper and
-reconciler).
+reconciler). With --web-only, the web server alone (compose's `web`, beside its own worker and
+beat services); with --uds, on a unix socket its workers share, behind a proxy.
 
-Usage: python -m shop.serve [--host 127.0.0.1] [--port 8000] [--workers 2]
+Usage: python -m shop.serve [--host 127.0.0.1] [--port 8000 | --uds PATH] [--workers 2]
+                            [--web-only]
 
 Only one may run per checkout: it holds an exclusive lock on .data/serve.lock (which names its
 pid and address) and checks the port is free before starting anything. Ctrl-C or SIGTERM stops
-them all and exits 0. A process that dies on its own is started again while the others go on
-(as compose's `restart:` does); one that keeps dying (more than RESTART_LIMIT times in
-RESTART_WINDOW seconds) stops them all, with a non-zero exit status. A dead granian's workers
-serve until the new server's listen, then answer what they hold and exit (`Retiring`).
+them all and exits 0. A process that dies on its own is started again while the others go on;
+one that keeps dying (more than RESTART_LIMIT times in RESTART_WINDOW seconds) stops them all,
+with a non-zero exit status. A dead granian's workers serve until the new server answers, then
+answer what they hold and exit (`Retiring`).
 """
 
 from __future__ import annotations
@@ -99,6 +101,19 @@ def port_accepts(host: str, port: int) -> bool:
         return False
 
 
+def socket_answers(path: Path) -> bool:
+    """Whether a worker answers /healthz on the unix socket `path` within 2 s (the kernel
+    queues a connection to a socket that listens before any worker takes it)."""
+    try:
+        with socket.socket(socket.AF_UNIX) as unix:
+            unix.settimeout(2)
+            unix.connect(str(path))
+            unix.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+            return unix.recv(64).startswith(b"HTTP/")
+    except OSError:
+        return False
+
+
 def listening(main: int, port: int) -> int:
     """How many children of process `main` listen on TCP `port` (granian's workers, each on a
     socket of its own)."""
@@ -117,9 +132,10 @@ def listening(main: int, port: int) -> int:
 @dataclass
 class Retiring:
     """The workers a dead granian main process left in its process group `group`, serving on
-    the port beside the new server's (each worker's socket is its own, SO_REUSEPORT). They are
-    asked to stop (SIGTERM: granian's workers finish the requests they hold) once the new
-    server's workers listen, or READY_TIMEOUT_SECONDS after it was started, and killed
+    the port beside the new server's (each worker's socket is its own, SO_REUSEPORT), or on
+    the unix socket the new server's takes the place of once it answers. They are asked to
+    stop (SIGTERM: granian's workers finish the requests they hold) once the new server's
+    workers listen, or READY_TIMEOUT_SECONDS after it was started, and killed
     STOP_TIMEOUT_SECONDS after that."""
 
     group: int
@@ -128,15 +144,29 @@ class Retiring:
 
 
 class Server:
-    def __init__(self, host: str, port: int, workers: int) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        workers: int,
+        *,
+        uds: Path | None = None,
+        web_only: bool = False,
+    ) -> None:
         self.host, self.port, self.workers = host, port, workers
-        self.url = display_url(host, port)
+        #: The unix socket the web server serves (None: the port).
+        self.uds = uds
+        self.web_only = web_only
+        self.url = f"unix:{uds}" if uds is not None else display_url(host, port)
         self.stop_requested: int | None = None
         self.children: dict[str, subprocess.Popen[bytes]] = {}
         self.commands: dict[str, list[str]] = {}
         #: When each child exited, lately (`_restart`).
         self.exits: dict[str, list[float]] = {}
         self.retiring: list[Retiring] = []
+        #: Where a web server started beside a dead one's workers binds its unix socket, until
+        #: it answers and the file takes the served path's place (`_new_server_answers`).
+        self.beside: Path | None = None
 
     def _on_signal(self, signum: int, _frame) -> None:
         self.stop_requested = signum
@@ -160,33 +190,30 @@ class Server:
             say(f"`manage.py migrate` failed (exit {exit_status(migrate.returncode)}); not serving")
             return 1
 
-        # `/metrics` open to this machine, without the token; the worker's on the next port.
-        os.environ.setdefault("FLASHSALE_METRICS_LOOPBACK", "true")
-        os.environ.setdefault("FLASHSALE_WORKER_METRICS_PORT", str(self.port + 1))
+        if not self.web_only:
+            # `/metrics` open to this machine, without the token; the worker's on the next port.
+            os.environ.setdefault("FLASHSALE_METRICS_LOOPBACK", "true")
+            os.environ.setdefault("FLASHSALE_WORKER_METRICS_PORT", str(self.port + 1))
         # The web workers' metrics, summed at each scrape: a directory of this server's own,
         # emptied first (files an earlier server left would be counted with this one's).
         metrics = Path(os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str(METRICS_DIR)))
         shutil.rmtree(metrics, ignore_errors=True)
         metrics.mkdir(parents=True)
-        self._spawn(
-            WEB_SERVER,
-            granian_command(
-                host=self.host, port=self.port, workers=self.workers, threads=GRANIAN_THREADS
+        self._start_web(beside_workers=False)
+        if not self.web_only:
+            # The worker and beat log warnings and errors: at info, the sweeper's and
+            # reconciler's tasks, every few seconds, would bury the requests and problems a
+            # reader looks for.
+            self._spawn(
+                "the Celery worker",
+                [sys.executable, "-m", "celery", "-A", "shop", "worker", "-l", "warning"],
             )
-            + ["--access-log"],
-        )
-        # The worker and beat log warnings and errors: at info, the sweeper's and reconciler's
-        # tasks, every few seconds, would bury the requests and problems a reader looks for.
-        self._spawn(
-            "the Celery worker",
-            [sys.executable, "-m", "celery", "-A", "shop", "worker", "-l", "warning"],
-        )
-        # beat: the order sweeper and the reconciler, on the schedule in settings.
-        self._spawn(
-            "Celery beat",
-            [sys.executable, "-m", "celery", "-A", "shop", "beat", "-l", "warning"]
-            + ["--schedule", str(ROOT / ".data" / "celerybeat-schedule")],
-        )
+            # beat: the order sweeper and the reconciler, on the schedule in settings.
+            self._spawn(
+                "Celery beat",
+                [sys.executable, "-m", "celery", "-A", "shop", "beat", "-l", "warning"]
+                + ["--schedule", str(ROOT / ".data" / "celerybeat-schedule")],
+            )
 
         ready_by = time.monotonic() + READY_TIMEOUT_SECONDS
         announced = False
@@ -203,7 +230,7 @@ class Server:
                     return code or 1
             self._retire()
             if not announced:
-                if port_accepts(self.host, self.port):
+                if self._accepts():
                     print(
                         f"flashsale is serving at {self.url} (admin at /admin/)",
                         flush=True,
@@ -213,7 +240,11 @@ class Server:
                     say(f"the web server did not accept connections on {self.url} within 60 s")
                     return 1
             time.sleep(0.2)
-        say("stopping the web server, the Celery worker and beat")
+        say(
+            "stopping the web server"
+            if self.web_only
+            else "stopping the web server, the Celery worker and beat"
+        )
         return 0
 
     def _restart(self, name: str, code: int) -> bool:
@@ -230,25 +261,61 @@ class Server:
             # Its workers serve on: they stop once the new server's workers listen.
             self.retiring.append(Retiring(group, since=now))
             say(f"{name} exited with code {code}; starting it again (its workers serve meanwhile)")
+            self._start_web(beside_workers=True)
+            return True
+        # Whatever it left in its process group (a killed Celery main's children) goes.
+        signal_group(group, signal.SIGKILL)
+        say(f"{name} exited with code {code}; starting it again")
+        if name == WEB_SERVER:
+            self._start_web(beside_workers=False)
         else:
-            # Whatever it left in its process group (a killed Celery main's children) goes.
-            signal_group(group, signal.SIGKILL)
-            say(f"{name} exited with code {code}; starting it again")
-        self._spawn(name, self.commands[name])
+            self._spawn(name, self.commands[name])
+        return True
+
+    def _start_web(self, *, beside_workers: bool) -> None:
+        """Start granian on the port, or on the unix socket: at its path, or, while a dead
+        server's workers still serve it, at a path beside it (`beside`), which takes the
+        served path's place once the new server answers: a proxy connecting meanwhile finds
+        the old workers, then the new, and never no socket at all."""
+        uds = self.uds
+        if uds is not None:
+            self.beside = uds.with_name(uds.name + ".next") if beside_workers else None
+            uds = self.beside or uds
+            # A socket file a server that died left behind: granian binds a path of its own.
+            uds.unlink(missing_ok=True)
+        command = granian_command(
+            host=self.host, port=self.port, workers=self.workers, threads=GRANIAN_THREADS, uds=uds
+        )
+        self._spawn(WEB_SERVER, [*command, "--access-log"])
+
+    def _accepts(self) -> bool:
+        """Whether the web server takes connections where it serves."""
+        if self.uds is not None:
+            return socket_answers(self.uds)
+        return port_accepts(self.host, self.port)
+
+    def _new_server_answers(self) -> bool:
+        """Whether the web server started beside a dead one's workers serves: its workers
+        listen on the port, or it answers on its unix socket, whose file then takes the served
+        path's place."""
+        if self.uds is None:
+            return listening(self.children[WEB_SERVER].pid, self.port) >= self.workers
+        if self.beside is None:
+            return socket_answers(self.uds)
+        if not socket_answers(self.beside):
+            return False
+        os.replace(self.beside, self.uds)
+        self.beside = None
         return True
 
     def _retire(self) -> None:
         """Stop the workers of a dead web server once the new one's listen (`Retiring`)."""
         now = time.monotonic()
-        server = self.children[WEB_SERVER]
         for retiring in list(self.retiring):
             if not group_alive(retiring.group):
                 self.retiring.remove(retiring)
             elif retiring.stopping_since is None:
-                if (
-                    listening(server.pid, self.port) >= self.workers
-                    or now > retiring.since + READY_TIMEOUT_SECONDS
-                ):
+                if self._new_server_answers() or now > retiring.since + READY_TIMEOUT_SECONDS:
                     signal_group(retiring.group, signal.SIGTERM)
                     retiring.stopping_since = now
             elif now > retiring.stopping_since + STOP_TIMEOUT_SECONDS:
@@ -300,19 +367,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
+        "--uds",
+        type=Path,
+        help="serve on this unix socket, shared by the workers, instead of the port (behind a "
+        "proxy on the same host, as compose runs it)",
+    )
+    parser.add_argument(
         "--workers",
         type=int,
         default=GRANIAN_WORKERS,
         help=f"granian workers, of {GRANIAN_THREADS} threads each (default {GRANIAN_WORKERS})",
     )
+    parser.add_argument(
+        "--web-only",
+        action="store_true",
+        help="the web server alone: no Celery worker or beat (which run elsewhere)",
+    )
     args = parser.parse_args(argv)
+    if args.uds is not None:
+        args.uds = args.uds.resolve()  # the server starts in the checkout, maybe elsewhere
 
-    url = display_url(args.host, args.port)
+    url = f"unix:{args.uds}" if args.uds is not None else display_url(args.host, args.port)
     lock = take_lock(url)
     if lock is None:
         return 1
     try:
-        if not port_is_free(args.host, args.port):
+        if args.uds is None and not port_is_free(args.host, args.port):
             print(
                 f"flashsale cannot serve at {url}: port {args.port} on {args.host} is in use by "
                 f"another program; stop it or pick another port (make serve PORT={args.port + 1})",
@@ -322,7 +402,9 @@ def main(argv: list[str] | None = None) -> int:
         if not os.environ.get("DATABASE_URL"):
             say("DATABASE_URL is not set: run `make serve` (or python -m shop.devservices -- ...)")
             return 1
-        return Server(args.host, args.port, args.workers).run()
+        return Server(
+            args.host, args.port, args.workers, uds=args.uds, web_only=args.web_only
+        ).run()
     finally:
         with contextlib.suppress(OSError):
             lock.seek(0)

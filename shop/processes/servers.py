@@ -78,9 +78,10 @@ def granian_command(
     one, so a stopped worker leaves every new connection to the others
     (docs/decisions/0024-a-shared-socket-behind-the-proxy.md)."""
     # On the shared socket a worker takes a connection only when one of its threads is free
-    # (--backpressure), so that one whose threads all wait leaves new ones to the others.
+    # (--backpressure), so that one whose threads all wait leaves new ones to the others; a
+    # proxy of another user (compose's nginx) may connect to it.
     where = (
-        ("--uds", str(uds), "--backpressure", str(threads))
+        ("--uds", str(uds), "--uds-permissions", "0666", "--backpressure", str(threads))
         if uds is not None
         else ("--host", host, "--port", str(port))
     )

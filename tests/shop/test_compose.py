@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from shop.processes.servers import GRANIAN_THREADS, granian_command
+
 ROOT = Path(__file__).resolve().parents[2]
 APP_ENV = {
     "DATABASE_URL",
@@ -185,6 +187,9 @@ def check_entry_points(command, commands: set[str]) -> set[str]:
             assert flag is not None or inline, f"celery without -A in {argv}"
             assert_celery_app(inline[0] if inline else words[flag + 1])
             seen.add("celery")
+        elif program == "shop.serve":  # python -m shop.serve: the supervisor of make serve
+            assert (ROOT / "shop" / "serve.py").is_file(), "shop/serve.py is missing"
+            seen.add(program)
         elif program == "manage.py":
             assert (ROOT / "manage.py").is_file(), "manage.py is missing"
             name = next(w for w in words[1:] if not w.startswith("-"))
@@ -246,21 +251,29 @@ def test_web_and_worker_share_one_image(services):
         assert (ROOT / context / dockerfile).is_file()
 
 
-def test_web_migrates_then_serves_the_wsgi_app_under_granian_on_a_socket_the_proxy_shares(
+def test_web_runs_the_web_server_under_its_supervisor_on_a_socket_the_proxy_shares(
     services, compose
 ):
-    # One accept queue for every worker (docs/decisions/0024): a unix socket, on a volume that
-    # web and proxy mount, nginx's one upstream
+    # The supervisor of make serve (it migrates, and starts granian again if its main process
+    # dies while the old workers answer what they hold), the web server alone; init reaps
+    # the workers a dead main process leaves. One accept queue for every worker
+    # (docs/decisions/0024): a unix socket, on a volume that web and proxy mount, nginx's one
+    # upstream.
     web = services["web"]
-    seen = check_entry_points(web["command"], django_commands())
-    assert {"manage.py migrate", "granian"} <= seen, seen
-    steps = shell_commands(web["command"])
-    (server,) = [argv for argv in steps if argv[0] == "granian"]
+    assert check_entry_points(web["command"], django_commands()) == {"shop.serve"}
+    (server,) = shell_commands(web["command"])
+    assert "--web-only" in server and web["init"] is True, web
     socket_path = server[server.index("--uds") + 1]
     assert "--port" not in server and "expose" not in web, server
-    assert (
-        server[server.index("--backpressure") + 1] == server[server.index("--blocking-threads") + 1]
+    # what it runs there: granian's workers sharing the socket, taking no more connections
+    # than they have threads
+    granian = granian_command(
+        host="127.0.0.1", port=8000, workers=2, threads=GRANIAN_THREADS, uds=Path(socket_path)
     )
+    check_entry_points(granian, django_commands())
+    assert granian[granian.index("--uds") + 1] == socket_path
+    assert granian[granian.index("--backpressure") + 1] == str(GRANIAN_THREADS)
+    assert granian[granian.index("--blocking-threads") + 1] == str(GRANIAN_THREADS)
     mounts = {
         service: dict(volume.split(":")[:2] for volume in services[service]["volumes"])
         for service in ("web", "proxy")

@@ -1,6 +1,7 @@
 """`make serve` (`python -m shop.serve`) survives the death of any one of its processes: it
-starts the one that died again while the others go on, as compose's `restart:` does. When
-granian's main process dies, its workers answer the checkouts they hold before they stop."""
+starts the one that died again while the others go on. When granian's main process dies, its
+workers answer the checkouts they hold before they stop: on a port, and on the unix socket
+compose's `web` serves its proxy (the same supervisor, the web server alone)."""
 
 from __future__ import annotations
 
@@ -10,18 +11,21 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from inventory.models import Order
 from inventory.selectors import audit_sale
 from inventory.services import start_sale
 from loadtest.flood import flood
 from shop.processes.ports import free_port
+from shop.processes.serve import socket_answers
 from shop.processes.servers import PROJECT_DIR, stop_group
 from tests.conftest import answers_ok, server_env, wait_until
-from tests.support import gone, run_in_thread
+from tests.support import NGINX, gone, nginx_serving, nginx_site, run_in_thread
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -92,16 +96,67 @@ def test_serve_starts_a_process_that_died_again(tmp_path, marker):
 def test_serve_answers_the_checkouts_in_flight_when_granians_main_process_dies(tmp_path):
     # Given `make serve` selling a `lua` sale whose batches take 1.5 s to write (the lab's
     # hold delay, between a batch's take and its statement)
-    sku, buyers = "serve-in-flight", 8
+    sku = "serve-in-flight"
     start_sale(sku=sku, stock=100, strategy="lua", name="Checkouts in flight")
     port = free_port()
     serve = _serve(
         tmp_path, port, FLASHSALE_HOLD_DELAY_MS=1500, FLASHSALE_CHECKOUT_DEADLINE_MS=30000
     )
-    url = f"http://127.0.0.1:{port}"
+    try:
+        _granians_main_dies_with_checkouts_in_flight(
+            serve, f"http://127.0.0.1:{port}", sku, tmp_path / "serve.log"
+        )
+    finally:
+        stop_group(serve, timeout=30)
+    assert serve.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]
+
+
+@pytest.mark.skipif(NGINX is None, reason="no nginx on this machine (make nginx)")
+def test_composes_web_answers_the_checkouts_in_flight_when_granians_main_process_dies(tmp_path):
+    # Given compose's web command (the supervisor, the web server alone, on the unix socket its
+    # proxy shares) behind deploy/nginx.conf, selling a `lua` sale whose batches take 1.5 s
+    sku = "compose-in-flight"
+    start_sale(sku=sku, stock=100, strategy="lua", name="Checkouts in flight behind nginx")
+    socket_path = tmp_path / "web.sock"
+    web = yaml.safe_load((PROJECT_DIR / "docker-compose.yml").read_text())["services"]["web"]
+    argv = list(web["command"])
+    assert argv[:3] == ["python", "-m", "shop.serve"], argv
+    argv[argv.index("--uds") + 1] = str(socket_path)
+    serve = subprocess.Popen(
+        [sys.executable, *argv[1:]],
+        cwd=PROJECT_DIR,
+        env={
+            **os.environ,
+            **server_env(FLASHSALE_HOLD_DELAY_MS=1500, FLASHSALE_CHECKOUT_DEADLINE_MS=30000),
+        },
+        start_new_session=True,
+        stderr=open(tmp_path / "serve.log", "wb"),  # noqa: SIM115 - the child keeps it
+    )
+    try:
+        site = nginx_site(f"unix:{socket_path}", port := free_port())
+        with nginx_serving(site, tmp_path, port) as url:
+            _granians_main_dies_with_checkouts_in_flight(serve, url, sku, tmp_path / "serve.log")
+            # and the new server serves the socket's path, the proxy's one upstream
+            assert socket_answers(socket_path)
+            assert not socket_path.with_name("web.sock.next").exists()
+    finally:
+        stop_group(serve, timeout=30)
+    assert serve.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    # the web server alone: no Celery worker or beat was started
+    assert "Celery" not in (tmp_path / "serve.log").read_text()
+
+
+def _granians_main_dies_with_checkouts_in_flight(
+    serve: subprocess.Popen[bytes], url: str, sku: str, log: Path
+) -> None:
+    """The shop at `url`, served by `serve`'s granian, sells 8 units of `sku` (100 in stock,
+    each batch held 1.5 s) while granian's main process is SIGKILLed and /healthz is polled:
+    every checkout answered 201 with its order, the server started again, the old workers gone
+    once the new ones serve, /healthz answered throughout."""
+    buyers = 8
     probed = threading.Event()
     try:
-        assert wait_until(lambda: answers_ok(f"{url}/healthz"), timeout=90)
+        assert wait_until(lambda: answers_ok(f"{url}/healthz"), timeout=90), log.read_text()
         assert wait_until(lambda: _child(serve, "shop.wsgi:application") is not None, timeout=30)
         main = _child(serve, "shop.wsgi:application")
         assert main is not None
@@ -133,22 +188,21 @@ def test_serve_answers_the_checkouts_in_flight_when_granians_main_process_dies(t
         placed = Order.objects.filter(public_id__in=result.order_ids).count()
         assert placed == buyers
 
-        # and the server was started again, its old workers gone once the new ones listen
+        # and the server was started again, its old workers gone once the new ones serve
         def started_again() -> bool:
             again = _child(serve, "shop.wsgi:application")
             return again is not None and again.pid != main.pid
 
-        assert wait_until(started_again, timeout=60), (tmp_path / "serve.log").read_text()
+        assert wait_until(started_again, timeout=60), log.read_text()
         assert wait_until(lambda: all(gone(worker) for worker in old_workers), timeout=60), (
-            tmp_path / "serve.log"
-        ).read_text()
-        # and /healthz answered throughout: the old workers served until the new ones listened
+            log.read_text()
+        )
+        # and /healthz answered throughout: the old workers served until the new ones did
         probed.set()
         prober.join(10)
         assert probes and all(probes), f"{probes.count(False)} of {len(probes)} probes unanswered"
+        assert answers_ok(f"{url}/healthz")
         assert serve.poll() is None
-        assert "its workers serve meanwhile" in (tmp_path / "serve.log").read_text()
+        assert "its workers serve meanwhile" in log.read_text()
     finally:
         probed.set()
-        stop_group(serve, timeout=30)
-    assert serve.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]
