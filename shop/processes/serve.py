@@ -34,7 +34,7 @@ import psutil
 
 from .children import die_with_parent, exit_status, group_alive, signal_group
 from .embedded import ROOT
-from .servers import GRANIAN_THREADS, GRANIAN_WORKERS, granian_command
+from .servers import GRANIAN_THREADS, GRANIAN_WORKERS, granian_command, unix_healthz_status
 
 LOCK_PATH = ROOT / ".data" / "serve.lock"
 METRICS_DIR = ROOT / ".data" / "metrics"
@@ -105,13 +105,10 @@ def socket_answers(path: Path) -> bool:
     """Whether a worker answers /healthz on the unix socket `path` within 2 s (the kernel
     queues a connection to a socket that listens before any worker takes it)."""
     try:
-        with socket.socket(socket.AF_UNIX) as unix:
-            unix.settimeout(2)
-            unix.connect(str(path))
-            unix.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-            return unix.recv(64).startswith(b"HTTP/")
-    except OSError:
+        unix_healthz_status(path)
+    except (OSError, IndexError, ValueError):
         return False
+    return True
 
 
 def listening(main: int, port: int) -> int:

@@ -95,6 +95,16 @@ def granian_command(
     ]
 
 
+def unix_healthz_status(path: Path, timeout: float = 2) -> int:
+    """The status /healthz answers on the unix socket `path` (OSError when nothing answers
+    within `timeout` seconds; IndexError or ValueError for an answer that is not HTTP)."""
+    with socket.socket(socket.AF_UNIX) as unix:
+        unix.settimeout(timeout)
+        unix.connect(str(path))
+        unix.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        return int(unix.recv(64).split()[1])
+
+
 class ShopServer:
     """The shop on 127.0.0.1 (by default under granian, as `make serve` runs it), in its own
     process group."""
@@ -209,11 +219,7 @@ class ShopServer:
         if self.uds is None:
             with urllib.request.urlopen(f"{self.url}/healthz", timeout=2) as response:
                 return int(response.status)
-        with socket.socket(socket.AF_UNIX) as unix:
-            unix.settimeout(2)
-            unix.connect(str(self.uds))
-            unix.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-            return int(unix.recv(64).split()[1])
+        return unix_healthz_status(self.uds)
 
     def stop(self) -> None:
         stop_group(self.process, timeout=10)
