@@ -279,7 +279,6 @@ def test_forty_orders_go_to_the_broker_as_one_message_settled_as_one_batch(monke
     for pk in placed:
         publisher.add(pk)
     client = get_redis_client()
-    queued = client.llen(TASK_QUEUE)
 
     # When it flushes
     sent = publisher.flush()
@@ -287,7 +286,7 @@ def test_forty_orders_go_to_the_broker_as_one_message_settled_as_one_batch(monke
     # Then one message carries all forty order keys (other tests' orders may reach the shared
     # queue meanwhile: only messages carrying these count)
     assert sent == 40
-    (message,) = task_messages_carrying(client, TASK_QUEUE, placed, since=queued)
+    (message,) = task_messages_carrying(client, TASK_QUEUE, placed)
     assert message["task"] == "inventory.tasks.settle_orders_task"
     assert message["args"] == [placed]
     assert publisher.flush() == 0  # nothing twice
@@ -299,7 +298,7 @@ def test_forty_orders_go_to_the_broker_as_one_message_settled_as_one_batch(monke
         "failed": 0,
         "skipped": 0,
     }
-    assert task_messages_carrying(client, TASK_QUEUE, placed, since=queued) == [message]
+    assert task_messages_carrying(client, TASK_QUEUE, placed) == [message]
     assert Order.objects.filter(pk__in=placed, status=OrderStatus.CONFIRMED).count() == 40
     assert PaymentAttempt.objects.filter(order__in=placed).count() == 40
     # a message of the task's former name is settled the same way (nothing left to do here)
@@ -322,9 +321,9 @@ def _in_a_process(script: str, **env: object) -> str:
     return result.stdout
 
 
-def _settle_messages_since(queued: int, order_pk: int) -> list[dict]:
+def _messages_carrying(order_pk: int) -> list[dict]:
     # (other messages may arrive meanwhile: this pytest process's own publisher still runs)
-    return task_messages_carrying(get_redis_client(), TASK_QUEUE, [order_pk], since=queued)
+    return task_messages_carrying(get_redis_client(), TASK_QUEUE, [order_pk])
 
 
 def test_a_process_that_exits_cleanly_sends_the_orders_it_still_holds():
@@ -335,13 +334,12 @@ def test_a_process_that_exits_cleanly_sends_the_orders_it_still_holds():
         "from inventory.services import place_order\n"
         "print(place_order(sku='exit', qty=1, buyer='late').order.pk)\n"
     )
-    queued = get_redis_client().llen(TASK_QUEUE)
 
     # When it places an order and exits at once
     order_pk = int(_in_a_process(script, FLASHSALE_PUBLISH_INTERVAL_MS=60_000).split()[-1])
 
     # Then the order went to the broker on the way out, not a minute later by the sweeper
-    assert _settle_messages_since(queued, order_pk) == [
+    assert _messages_carrying(order_pk) == [
         {"task": "inventory.tasks.settle_orders_task", "args": [[order_pk]]}
     ]
 
@@ -362,11 +360,10 @@ def test_a_process_that_exits_while_its_thread_sends_waits_for_that_send():
         "print(place_order(sku='exit-mid-send', qty=1, buyer='late').order.pk)\n"
         "assert sending.wait(30)\n"
     )
-    queued = get_redis_client().llen(TASK_QUEUE)
     order_pk = int(_in_a_process(script, FLASHSALE_PUBLISH_INTERVAL_MS=50).split()[-1])
 
     # Then the exit waited for the thread's send: the order reached the broker once
-    assert _settle_messages_since(queued, order_pk) == [
+    assert _messages_carrying(order_pk) == [
         {"task": "inventory.tasks.settle_orders_task", "args": [[order_pk]]}
     ]
 
@@ -375,7 +372,6 @@ def test_a_stopped_server_sends_the_orders_its_workers_still_hold():
     # Given the shop's server, whose publishers would wait a minute before sending anything
     # (granian's workers are multiprocessing children: the interpreter's atexit never runs)
     start_sale(sku="server-exit", stock=12, strategy="lua")
-    queued = get_redis_client().llen(TASK_QUEUE)
     server = start_shop(FLASHSALE_PUBLISH_INTERVAL_MS=60_000)
     try:
         result = flood(server.url, "server-exit", attempts=12, concurrency=4)
@@ -386,7 +382,7 @@ def test_a_stopped_server_sends_the_orders_its_workers_still_hold():
 
     # Then each order it sold went to the broker on the way out, once
     placed = list(Order.objects.filter(item__sku="server-exit").values_list("pk", flat=True))
-    messages = task_messages_carrying(get_redis_client(), TASK_QUEUE, placed, since=queued)
+    messages = task_messages_carrying(get_redis_client(), TASK_QUEUE, placed)
     carried = sorted(pk for message in messages for pk in message["args"][0])
     assert carried == sorted(placed), messages
 

@@ -233,18 +233,23 @@ def nginx_serving(site: str, directory: Any, port: int) -> Iterator[str]:
         process.wait(10)
 
 
-def task_messages_carrying(client: Any, queue: str, pks: list[int], *, since: int) -> list[dict]:
-    """The task messages pushed on the Redis broker's `queue` since it held `since`, newest
-    first, that carry any of the orders `pks`: each as {"task": name, "args": its arguments}."""
+def task_messages_carrying(client: Any, queue: str, pks: list[int]) -> list[dict]:
+    """The task messages waiting on the Redis broker's `queue`, newest first, that carry any of
+    the orders `pks`: each as {"task": name, "args": its arguments}.
+
+    Found by what they carry, never by where they sit: the queue is the session's, and a worker
+    that takes its oldest messages meanwhile moves every position, while an order's key names
+    that order alone."""
     found = []
-    for index in range(client.llen(queue) - since):
-        envelope = json.loads(client.lindex(queue, index))
+    wanted = set(pks)
+    for raw in client.lrange(queue, 0, -1):
+        envelope = json.loads(raw)
         message = {
             "task": envelope["headers"]["task"],
             "args": json.loads(base64.b64decode(envelope["body"]))[0],
         }
         first = message["args"][0] if message["args"] else None
         carried = set(first) if isinstance(first, list) else {first}
-        if carried & set(pks):
+        if carried & wanted:
             found.append(message)
     return found
