@@ -384,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.uds is not None:
         args.uds = args.uds.resolve()  # the server starts in the checkout, maybe elsewhere
 
-    url = f"unix:{args.uds}" if args.uds is not None else display_url(args.host, args.port)
+    server = Server(args.host, args.port, args.workers, uds=args.uds, web_only=args.web_only)
+    url = server.url
     lock = take_lock(url)
     if lock is None:
         return 1
@@ -399,9 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         if not os.environ.get("DATABASE_URL"):
             say("DATABASE_URL is not set: run `make serve` (or python -m shop.devservices -- ...)")
             return 1
-        return Server(
-            args.host, args.port, args.workers, uds=args.uds, web_only=args.web_only
-        ).run()
+        return server.run()
     finally:
         with contextlib.suppress(OSError):
             lock.seek(0)
