@@ -14,6 +14,11 @@ from django.core.exceptions import ImproperlyConfigured
 
 Number = TypeVar("Number", int, float)
 
+#: FLASHSALE_CHECKOUT_DEADLINE_MS's default and bounds, in milliseconds: read by the settings,
+#: and by the servers, which give a worker that stops the time to end its checkouts
+#: (`shop.processes.servers.granian_command`).
+CHECKOUT_DEADLINE_MS = (3000, 100, 60_000)
+
 
 def bounded(
     name: str,

@@ -18,7 +18,7 @@ import environ
 from django.core.exceptions import ImproperlyConfigured
 
 from shop import queues
-from shop.environment import bounded
+from shop.environment import CHECKOUT_DEADLINE_MS, bounded
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -219,7 +219,7 @@ FLASHSALE_ITEM_PAGE_MS = bounded("FLASHSALE_ITEM_PAGE_MS", 500, 0, 60_000)
 # How long a checkout may take (milliseconds): past it the buyer is answered `503 busy` and no
 # sale of that checkout commits afterwards (a lock or row-lock wait is cut short, a statement
 # still waiting is cancelled, units taken are given back).
-FLASHSALE_CHECKOUT_DEADLINE_MS = bounded("FLASHSALE_CHECKOUT_DEADLINE_MS", 3000, 100, 60_000)
+FLASHSALE_CHECKOUT_DEADLINE_MS = bounded("FLASHSALE_CHECKOUT_DEADLINE_MS", *CHECKOUT_DEADLINE_MS)
 # Largest quantity per checkout.
 FLASHSALE_MAX_QTY = bounded("FLASHSALE_MAX_QTY", 100, 1, 1_000_000)
 # Lock: time to live, and how long a buyer waits for it (never past the checkout's deadline).

@@ -7,6 +7,7 @@ without stopping it (killed, or crashed): none outlives its starter."""
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import shutil
@@ -19,7 +20,10 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
+
+from shop.environment import CHECKOUT_DEADLINE_MS, bounded
 
 from .children import die_with_parent, signal_group
 from .ports import free_port
@@ -70,13 +74,27 @@ GRANIAN_LOGGING = "shop/granian_logging.json"
 
 
 def granian_command(
-    *, host: str, port: int, workers: int, threads: int, uds: Path | None = None
+    *,
+    host: str,
+    port: int,
+    workers: int,
+    threads: int,
+    uds: Path | None = None,
+    environ: Mapping[str, str] = os.environ,
+    app: str = "shop.wsgi:application",
 ) -> list[str]:
-    """granian serving `shop.wsgi:application`: WSGI, `workers` processes of `threads` blocking
-    threads, a worker that dies started again at once. On `host`:`port` each worker listens on
-    a socket of its own (SO_REUSEPORT); on the unix socket `uds` (behind a proxy) they share
-    one, so a stopped worker leaves every new connection to the others
-    (docs/decisions/0024-a-shared-socket-behind-the-proxy.md)."""
+    """granian serving `app`: WSGI, `workers` processes of `threads` blocking threads, a worker
+    that dies started again at once. On `host`:`port` each worker listens on a socket of its
+    own (SO_REUSEPORT); on the unix socket `uds` (behind a proxy) they share one, so a stopped
+    worker leaves every new connection to the others
+    (docs/decisions/0024-a-shared-socket-behind-the-proxy.md).
+
+    A worker told to stop has a checkout's deadline (FLASHSALE_CHECKOUT_DEADLINE_MS, as
+    `environ` sets it for the server) and 2 s more to answer what it serves, then it is killed:
+    one still importing the app has no handler for SIGTERM yet and loses the signal, and would
+    otherwise keep its server from ever stopping."""
+    deadline_ms = bounded("FLASHSALE_CHECKOUT_DEADLINE_MS", *CHECKOUT_DEADLINE_MS, environ=environ)
+    kill_timeout = math.ceil(deadline_ms / 1000) + 2
     # On the shared socket a worker takes a connection only when one of its threads is free
     # (--backpressure), so that one whose threads all wait leaves new ones to the others; a
     # proxy of another user (compose's nginx) may connect to it.
@@ -90,8 +108,9 @@ def granian_command(
         *where,
         *("--workers", str(workers), "--blocking-threads", str(threads)),
         *("--respawn-failed-workers", "--respawn-interval", "0.5"),
+        *("--workers-kill-timeout", str(kill_timeout)),
         *("--log-config", GRANIAN_LOGGING),
-        "shop.wsgi:application",
+        app,
     ]
 
 
@@ -159,6 +178,7 @@ class ShopServer:
                 workers=self.workers,
                 threads=self.threads,
                 uds=self.uds,
+                environ=self.env,
             )
         threaded = (
             ["--worker-class", "gthread", "--threads", str(self.threads)]
