@@ -36,7 +36,6 @@ def test_granian_told_to_stop_while_its_workers_load_the_app_stops(tmp_path):
     env = {
         **os.environ,
         "HELD_APP_LOADING": str(loading),
-        "HELD_APP_RELEASE": str(tmp_path / "release"),
         "FLASHSALE_CHECKOUT_DEADLINE_MS": "1000",
     }
     command = granian_command(
