@@ -138,10 +138,11 @@ class CircuitBreaker:
             self._trial_lock.release()
             return trial
         try:
-            self._prober = threading.Thread(
+            prober = threading.Thread(
                 target=self._run_probe, name=f"{self.metric}-breaker-probe", daemon=True
             )
-            self._prober.start()
+            prober.start()
+            self._prober = prober  # published started: `settle` may join it at once
         except BaseException:
             self._trial_lock.release()
             raise
