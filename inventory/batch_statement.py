@@ -20,8 +20,8 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, transaction
 from django.utils import timezone
 
-from .fastpath import compact_json, prepared_cursor
-from .lost_connection import connection_lost, resolve
+from .fastpath import DirectStatement, compact_json, prepared_cursor
+from .lost_connection import checked_connection, connection_lost, resolve
 from .models import BuyerAllowance, Item, Order, StockShard, new_public_id
 from .row_locks import row_lock_wait
 from .sale_values import WAITED_TOO_LONG, Outcome, RowLockTimeout, SaleRequest, SqlState, Written
@@ -56,10 +56,9 @@ def sell_batch(requests: list[SaleRequest]) -> list[Written]:
     backend = None  # until the statement is sent
     try:
         # Inside a caller's transaction, a savepoint keeps it usable after a refusal.
-        with transaction.atomic() if inside else nullcontext(), prepared_cursor() as cursor:
-            backend = database.connection.info.backend_pid
-            cursor.execute(_BATCH_SQL, _batch_parameters(requests, at, wait))
-            found = cursor.fetchall()
+        with transaction.atomic() if inside else nullcontext():
+            backend = checked_connection(database).connection.info.backend_pid
+            found = _BATCH.rows(_batch_parameters(requests, at, wait), database)
     except DatabaseError as exc:
         if backend is not None and not inside and connection_lost(database):
             # One statement commits all of its orders or none.
@@ -320,3 +319,4 @@ WHERE inventory_all_or_nothing(
     (SELECT count(*) FROM taken)::integer + 1, cardinality(%(indexes)s::integer[]) + 1
 )
 """
+_BATCH = DirectStatement(_BATCH_SQL)

@@ -4,6 +4,7 @@ it. None changes an answer: each gives what the ordinary way would, only cheaper
 
 - `committed_order`: an Order built without `Model.__init__`;
 - `prepared_cursor`: statements prepared once per connection (server-side binding);
+- `DirectStatement`: a prepared statement run through libpq as psycopg exposes it;
 - `built_once_per_shape`: the sale statement's text remembered, not built for every sale;
 - `compact_json`: orjson instead of the standard library's encoder;
 - `read_checkout_item`, `read_item_with_sale`: the two reads every checkout or item page
@@ -16,7 +17,10 @@ it builds the first model, before this module's models can be imported.
 
 from __future__ import annotations
 
+import hashlib
+import re
 import time
+import weakref
 from collections.abc import Callable, Hashable
 from datetime import datetime
 from functools import cache
@@ -24,7 +28,11 @@ from typing import Any, TypeVar
 
 import orjson
 import psycopg
+import psycopg.adapt
+import psycopg.errors
+import psycopg.pq
 from django.db import DEFAULT_DB_ALIAS, connection
+from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 from django.db.models.base import ModelState
 from django.db.models.signals import post_init, pre_init
@@ -88,7 +96,11 @@ def prepared_cursor(database: Any = None) -> Any:
     """
     # Pays for: parsing and planning were 40% of PostgreSQL's CPU per sale, 0.30 ms down to
     # 0.17 ms (2026-11-22, commit 671839c).
-    wrapper = checked_connection(database)
+    return _preparing_cursor(checked_connection(database))
+
+
+def _preparing_cursor(wrapper: BaseDatabaseWrapper) -> Any:
+    """`prepared_cursor` on `wrapper` (a connected Django database wrapper) as it is."""
     raw = _PreparingCursor(wrapper.connection)
     if wrapper.queries_logged:
         return _PreparedDebugWrapper(raw, wrapper)
@@ -106,6 +118,101 @@ class _PreparedDebugWrapper(CursorDebugWrapper):
     def execute(self, sql, params=None):
         with self.debug_sql(self.db.ops.compose_sql(sql, params), params):
             return CursorWrapper.execute(self, sql, params)
+
+
+# -- a prepared statement sent straight through libpq ----------------------------------------
+
+
+class DirectStatement:
+    """A statement prepared once per connection and run through the libpq wrapper psycopg
+    exposes (`Connection.pgconn`): its parameters spelled as text here, its rows read by
+    psycopg's own loaders. What `prepared_cursor`'s `execute` and `fetchall` give, less
+    psycopg's work around them: adapting each parameter (arrays element by element), and the
+    generators that send and wait for a statement. libpq waits for the answer with the
+    interpreter released, as psycopg does.
+
+    `sql` names its parameters as psycopg does (`%(name)s`); `rows` takes them by name: None,
+    bool, int, str, an aware datetime, or a list of int and None (an array); anything else is
+    a TypeError, before anything is sent.
+
+    It is the ordinary prepared cursor whenever that one does more than run the statement:
+    when queries are logged (`connection.queries`, the debug toolbar), when an execute wrapper
+    is installed (`connection.execute_wrapper`: tracing, instrumentation), or when prepared
+    statements are off (`DJANGO_DB_PREPARED_STATEMENTS=false`, for a pooler).
+    """
+
+    # Pays for: the batch statement of 4 sales cost its thread 0.46-0.60 ms of CPU through
+    # `prepared_cursor`, 0.18-0.24 ms this way; without HTTP, `lua, batched` sold 1.14x as much
+    # (medians of 3 runs each) on 18% less CPU a unit in its processes (2026-12-03,
+    # docs/decisions/0031-the-batch-statement-sent-through-libpq.md).
+
+    def __init__(self, sql: str) -> None:
+        self.sql = sql
+        self.names: list[str] = []
+        self._text = _NAMED.sub(self._number, sql).replace("%%", "%").encode()
+        if _POSITIONAL.search(sql.replace("%%", "")):
+            raise ValueError("a DirectStatement names its parameters: %(name)s, not %s")
+        self._name = b"flashsale_" + hashlib.sha1(self._text).hexdigest()[:16].encode()
+
+    def _number(self, match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in self.names:
+            self.names.append(name)
+        return f"${self.names.index(name) + 1}"
+
+    def rows(self, params: dict[str, Any], database: BaseDatabaseWrapper) -> list[tuple[Any, ...]]:
+        """Run the statement with `params` on `database` (a Django database wrapper, connected:
+        the caller checks it first, `lost_connection.checked_connection`, and reads what it
+        needs of the connection before the statement is sent) and return its rows. Its errors
+        are Django's, their causes psycopg's, as a cursor raises them."""
+        raw = database.connection
+        if database.queries_logged or database.execute_wrappers or raw.prepare_threshold is None:
+            with _preparing_cursor(database) as cursor:
+                cursor.execute(self.sql, params)
+                return cursor.fetchall()
+        values = [_spelt(params[name]) for name in self.names]
+        with database.wrap_database_errors:
+            pgconn = raw.pgconn
+            prepared = _prepared.setdefault(raw, set())
+            if self._name not in prepared:
+                _check(pgconn.prepare(self._name, self._text), raw)
+                prepared.add(self._name)
+            result = _check(pgconn.exec_prepared(self._name, values), raw)
+            loader = psycopg.adapt.Transformer(raw)
+            loader.set_pgresult(result)
+            return loader.load_rows(0, result.ntuples, tuple)
+
+
+_NAMED = re.compile(r"%\((\w+)\)s")
+_POSITIONAL = re.compile(r"%s")
+#: The statements each connection has prepared, by connection (held weakly: a connection
+#: replaced takes its own with it).
+_prepared: weakref.WeakKeyDictionary[psycopg.Connection, set[bytes]] = weakref.WeakKeyDictionary()
+_ANSWERED = (psycopg.pq.ExecStatus.COMMAND_OK, psycopg.pq.ExecStatus.TUPLES_OK)
+
+
+def _check(result: psycopg.pq.abc.PGresult, raw: psycopg.Connection) -> psycopg.pq.abc.PGresult:
+    """`result`, or the error psycopg would raise for it."""
+    if result.status not in _ANSWERED:
+        raise psycopg.errors.error_from_result(result, encoding=raw.info.encoding)
+    return result
+
+
+def _spelt(value: object) -> bytes | None:
+    """`value` as PostgreSQL reads it in text (None: NULL)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, bool):
+        return b"t" if value else b"f"
+    if isinstance(value, int):
+        return str(value).encode()
+    if isinstance(value, datetime) and value.tzinfo is not None:
+        return value.isoformat().encode()
+    if isinstance(value, list) and all(v is None or type(v) is int for v in value):
+        return ("{" + ",".join("NULL" if v is None else str(v) for v in value) + "}").encode()
+    raise TypeError(f"a DirectStatement cannot spell {value!r} ({type(value).__name__})")
 
 
 # -- the sale statement's text, built once per shape ----------------------------------------

@@ -410,7 +410,7 @@ def _checkouts_in_a_process(sku: str, **env: object) -> list[tuple[str, int]]:
     return [tuple(row) for row in json.loads(printed.splitlines()[-1])]
 
 
-@pytest.mark.parametrize("strategy", ["optimistic", "segmented"])
+@pytest.mark.parametrize("strategy", ["optimistic", "segmented", "lua"])
 def test_a_checkout_prepares_its_two_statements_once_per_connection(strategy):
     start_sale(sku=f"prep-{strategy}", stock=10, strategy=strategy)
 
