@@ -190,3 +190,46 @@ def test_an_aware_datetime_keeps_its_moment_whatever_the_sessions_time_zone():
         assert _rows(statement, {"at": at, "utc": at.astimezone(UTC)}) == [(True,)]
     finally:
         connection.close()
+
+
+def test_other_threads_run_while_a_statement_waits():
+    # Given a statement that waits for a lock another session holds, with a server-side bound
+    # (lock_timeout): held against the other threads of its process, the interpreter would
+    # leave this thread no way to let go before that bound, and the statement would fail
+    holder = connections.create_connection("default")
+    holder.ensure_connection()
+    holder.connection.execute("SELECT pg_advisory_lock(31, 1)")
+    statement = DirectStatement(
+        "SELECT set_config('lock_timeout', %(bound)s::text, false),"
+        " pg_advisory_lock(31, 1) IS NOT NULL AS locked"
+    )
+    answers: list[object] = []
+    database = checked_connection()
+
+    def waits() -> None:
+        try:
+            answers.append(statement.rows({"bound": "5000"}, database))
+        except DatabaseError as error:
+            answers.append(error)
+
+    # (the thread uses this thread's connection, as a batch's leader uses its own)
+    database.inc_thread_sharing()
+    thread = threading.Thread(target=waits)
+    thread.start()
+    try:
+        # When this thread sees it waiting and lets go
+        watch = holder.connection.cursor()
+        while not watch.execute(
+            "SELECT 1 FROM pg_stat_activity WHERE pid = %s AND wait_event_type = 'Lock'",
+            [database.connection.info.backend_pid],
+        ).fetchone():
+            assert thread.is_alive(), answers
+        holder.connection.execute("SELECT pg_advisory_unlock(31, 1)")
+    finally:
+        thread.join()
+        database.dec_thread_sharing()
+        holder.close()
+
+    # Then its statement got the lock
+    assert answers == [[("5s", True)]]
+    connection.close()
