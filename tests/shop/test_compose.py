@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from shop.processes.serve import STOP_TIMEOUT_SECONDS
 from shop.processes.servers import GRANIAN_THREADS, granian_command
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -288,6 +289,14 @@ def test_web_runs_the_web_server_under_its_supervisor_on_a_socket_the_proxy_shar
     assert re.findall(r"^\s*server (\S+);", conf, re.MULTILINE) == [f"unix:{socket_path}"]
     # and no pool of kept connections, each of which would belong to one worker
     assert not re.findall(r"^\s*keepalive ", conf, re.MULTILINE)
+
+
+def test_web_is_given_longer_to_stop_than_its_supervisor_gives_the_server(services):
+    # docker compose stop: SIGTERM, then SIGKILL after stop_grace_period (10 s unless set); the
+    # supervisor waits up to STOP_TIMEOUT_SECONDS for granian's workers to answer what they hold
+    grace = services["web"]["stop_grace_period"]
+    assert re.fullmatch(r"\d+s", grace), grace
+    assert int(grace[:-1]) > STOP_TIMEOUT_SECONDS
 
 
 def test_no_service_runs_a_sale_writer(services):
