@@ -135,10 +135,13 @@ class DirectStatement:
     bool, int, str, an aware datetime, or a list of int and None (an array); anything else is
     a TypeError, before anything is sent.
 
-    It is the ordinary prepared cursor whenever that one does more than run the statement:
-    when queries are logged (`connection.queries`, the debug toolbar), when an execute wrapper
-    is installed (`connection.execute_wrapper`: tracing, instrumentation), or when prepared
-    statements are off (`DJANGO_DB_PREPARED_STATEMENTS=false`, for a pooler).
+    It runs outside a transaction only, where a statement the server no longer knows (psycopg
+    deallocates every statement of a connection after a rollback) is prepared and sent again
+    with nothing lost. It is the ordinary prepared cursor inside a transaction, and wherever
+    that one does more than run the statement: when queries are logged (`connection.queries`,
+    the debug toolbar), when an execute wrapper is installed (`connection.execute_wrapper`:
+    tracing, instrumentation), or when prepared statements are off
+    (`DJANGO_DB_PREPARED_STATEMENTS=false`, for a pooler).
     """
 
     # Pays for: the batch statement of 4 sales cost its thread 0.46-0.60 ms of CPU through
@@ -166,7 +169,12 @@ class DirectStatement:
         needs of the connection before the statement is sent) and return its rows. Its errors
         are Django's, their causes psycopg's, as a cursor raises them."""
         raw = database.connection
-        if database.queries_logged or database.execute_wrappers or raw.prepare_threshold is None:
+        if (
+            database.in_atomic_block
+            or database.queries_logged
+            or database.execute_wrappers
+            or raw.prepare_threshold is None
+        ):
             with _preparing_cursor(database) as cursor:
                 cursor.execute(self.sql, params)
                 return cursor.fetchall()
@@ -174,10 +182,17 @@ class DirectStatement:
         with database.wrap_database_errors:
             pgconn = raw.pgconn
             prepared = _prepared.setdefault(raw, set())
-            if self._name not in prepared:
-                _check(pgconn.prepare(self._name, self._text), raw)
-                prepared.add(self._name)
-            result = _check(pgconn.exec_prepared(self._name, values), raw)
+            for attempt in range(2):
+                if self._name not in prepared:
+                    _check(pgconn.prepare(self._name, self._text), raw)
+                    prepared.add(self._name)
+                result = pgconn.exec_prepared(self._name, values)
+                if attempt or not _deallocated(result):
+                    break
+                # psycopg deallocates every statement of its connection after a rollback (a
+                # Django atomic block that failed): nothing ran, prepare it again, once.
+                prepared.discard(self._name)
+            _check(result, raw)
             loader = psycopg.adapt.Transformer(raw)
             loader.set_pgresult(result)
             return loader.load_rows(0, result.ntuples, tuple)
@@ -196,6 +211,13 @@ def _check(result: psycopg.pq.abc.PGresult, raw: psycopg.Connection) -> psycopg.
     if result.status not in _ANSWERED:
         raise psycopg.errors.error_from_result(result, encoding=raw.info.encoding)
     return result
+
+
+def _deallocated(result: psycopg.pq.abc.PGresult) -> bool:
+    """Whether the server answered that it knows no such prepared statement."""
+    return result.status == psycopg.pq.ExecStatus.FATAL_ERROR and (
+        result.error_field(psycopg.pq.DiagnosticField.SQLSTATE) == b"26000"
+    )
 
 
 def _spelt(value: object) -> bytes | None:

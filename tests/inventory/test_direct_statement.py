@@ -11,7 +11,7 @@ import threading
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
-from django.db import DatabaseError, IntegrityError, connection, connections
+from django.db import DatabaseError, IntegrityError, connection, connections, transaction
 from django.test.utils import CaptureQueriesContext
 
 from inventory.fastpath import DirectStatement, prepared_cursor
@@ -233,3 +233,43 @@ def test_other_threads_run_while_a_statement_waits():
     # Then its statement got the lock
     assert answers == [[("5s", True)]]
     connection.close()
+
+
+def test_it_goes_on_after_a_rollback_deallocated_every_statement_of_its_connection():
+    # Given a connection whose statements psycopg has also prepared (the item read, say), then
+    # a Django atomic block that failed: psycopg deallocates every prepared statement of the
+    # connection after a rollback, this one's too
+    statement = DirectStatement("SELECT %(n)s::integer AS after_rollback")
+    assert _rows(statement, {"n": 1}) == [(1,)]
+    with prepared_cursor() as cursor:
+        cursor.execute("SELECT %s::integer AS prepared_by_psycopg", [2])
+    with pytest.raises(RuntimeError), transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+        raise RuntimeError("the block fails")
+    with connection.cursor() as cursor:
+        cursor.execute(PREPARED)
+        assert not [row for row in cursor.fetchall() if "after_rollback" in row[0]]
+
+    # Then the next run prepares it again and answers
+    assert _rows(statement, {"n": 3}) == [(3,)]
+
+
+def test_inside_a_transaction_it_is_the_prepared_cursor():
+    # (a failed statement there would abort the caller's transaction: nothing could be
+    # prepared and sent again)
+    statement = DirectStatement("SELECT %(n)s::integer AS inside_direct")
+    with transaction.atomic():
+        assert _rows(statement, {"n": 4}) == [(4,)]
+        with connection.cursor() as cursor:
+            cursor.execute(PREPARED)
+            assert [row[0] for row in cursor.fetchall() if "inside_direct" in row[0]] == [
+                "SELECT $1::integer AS inside_direct"
+            ]
+    # prepared by psycopg, under its own name, not this statement's
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT name FROM pg_prepared_statements WHERE statement LIKE '%inside_direct'"
+        )
+        names = [name for (name,) in cursor.fetchall()]
+    assert names and statement._name.decode() not in names
