@@ -111,11 +111,11 @@ def _buy_by_evalsha(key: str) -> Callable[[], bool]:
 
 def _buyer(contender: Contender, sku: str, worker: int) -> Callable[[], bool]:
     """One buy of the contender's way, from the sale of `sku`."""
-    if contender.name == EVALSHA:
+    if contender.way == EVALSHA:
         return _buy_by_evalsha(sku)
-    if contender.name == HOT_ROW:
+    if contender.way == HOT_ROW:
         return _buy_from_hot_row(sku, contender.sku, worker)
-    if contender.name == EVALSHA_SELL:
+    if contender.way == EVALSHA_SELL:
         return _buy_by_evalsha_and_sell(sku, contender.sku, worker)
     return _buy_through_place_order(sku, contender.sku, worker)
 

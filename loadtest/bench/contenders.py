@@ -4,6 +4,7 @@ bounds they are held to, and what each buyer and each round reports."""
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,10 +89,22 @@ class Contender:
     threads: int = 1
     #: Settings the buyer processes run with (a variant of a strategy).
     settings: dict[str, Any] = field(default_factory=dict)
+    #: For a row of --crowds: the row it repeats with another crowd.
+    of: str | None = None
 
     @property
     def batched(self) -> bool:
         return self.threads > 1
+
+    @property
+    def way(self) -> str:
+        """The row whose way its buyers buy: its own, or the one it repeats (--crowds)."""
+        return self.of or self.name
+
+
+def at_crowd(name: str, buyers: int) -> str:
+    """The label of `name`'s row repeated with a crowd of `buyers` (--crowds)."""
+    return f"{name}, {buyers} buyers"
 
 
 def warm_sku(contender: Contender) -> str:
@@ -232,4 +245,37 @@ def contenders_for(args: argparse.Namespace) -> list[Contender]:
     contenders.append(Contender(EVALSHA, "ceiling", ""))
     contenders.append(Contender(EVALSHA_SELL, "ceiling", "bench-ceiling-evalsha-sale"))
     contenders.append(Contender(HOT_ROW, "ceiling", "bench-ceiling-hot-row"))
-    return contenders
+    return contenders + _crowds(args)
+
+
+def _crowds(args: argparse.Namespace) -> list[Contender]:
+    """`lua, batched` and the hot row again for each crowd of --crowds: the batched row as
+    many processes as at --buyers (one a core by default), the crowd spread over their
+    threads; the hot row a process a buyer. The hot row sells most with a small crowd and
+    `lua, batched` with a large one, so their ratio is a function of the crowd
+    (docs/decisions/0033-the-ratio-is-a-function-of-the-crowd.md)."""
+    processes = math.ceil(args.buyers / args.batch_threads)
+    rows = []
+    for crowd in args.crowds:
+        if "lua" in args.strategies:
+            rows.append(
+                Contender(
+                    at_crowd(LUA_BATCHED, crowd),
+                    "strategy",
+                    f"bench-lua-batched-{crowd}",
+                    strategy="lua",
+                    buyers=crowd,
+                    threads=math.ceil(crowd / processes),
+                    of=LUA_BATCHED,
+                )
+            )
+        rows.append(
+            Contender(
+                at_crowd(HOT_ROW, crowd),
+                "ceiling",
+                f"bench-ceiling-hot-row-{crowd}",
+                buyers=crowd,
+                of=HOT_ROW,
+            )
+        )
+    return rows

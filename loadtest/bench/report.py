@@ -5,7 +5,16 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from .contenders import BOUNDS, TARGETS, WORK_TARGET, Result, with_work
+from .contenders import (
+    BOUNDS,
+    HOT_ROW,
+    LUA_BATCHED,
+    TARGETS,
+    WORK_TARGET,
+    Result,
+    at_crowd,
+    with_work,
+)
 from .measure import PROFILE_PHASES
 
 
@@ -88,6 +97,10 @@ def _kilobytes(value: float | None) -> float | None:
 
 def _format(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
 
 
 def print_table(rows: list[Result], rounds: int) -> None:
@@ -185,3 +198,55 @@ def print_ratios(checks: list[dict[str, Any]]) -> None:
                 for ratio in check["round_ratios"]
             )
         print(line)
+
+
+def crowd_ratios(rows: dict[str, Result], buyers: int, crowds: list[int]) -> list[dict[str, Any]]:
+    """`lua, batched` against the hot row at each crowd measured (--buyers and --crowds), and
+    against the hot row at the crowd where it sold most in the run (its best: the ceiling of
+    any design that has every buyer write one row, whatever its crowd). Empty without
+    --crowds."""
+    if not crowds:
+        return []
+
+    def row(name: str, crowd: int) -> Result | None:
+        return rows.get(name if crowd == buyers else at_crowd(name, crowd))
+
+    measured = sorted({buyers, *crowds})
+    hot_rows = {crowd: row(HOT_ROW, crowd) for crowd in measured}
+    best = max(
+        (crowd for crowd in measured if hot_rows[crowd] is not None),
+        key=lambda crowd: hot_rows[crowd].buys_per_second,  # type: ignore[union-attr]
+        default=None,
+    )
+    best_row = None if best is None else hot_rows[best]
+    table = []
+    for crowd in measured:
+        batched, hot_row = row(LUA_BATCHED, crowd), hot_rows[crowd]
+        table.append(
+            {
+                "buyers": crowd,
+                "batched": None if batched is None else batched.buys_per_second,
+                "hot_row": None if hot_row is None else hot_row.buys_per_second,
+                "ratio": _ratio(batched, hot_row),
+                "best_hot_row_buyers": best,
+                "versus_best": _ratio(batched, best_row),
+            }
+        )
+    return table
+
+
+def print_crowds(table: list[dict[str, Any]], processes: int) -> None:
+    best = table[0]["best_hot_row_buyers"]
+    print(
+        f"\ncrowds (buys/s; {LUA_BATCHED}: {processes} processes, the buyers their threads; "
+        f"the hot row: a process a buyer; best: the hot row at {best} buyers, where it sold "
+        "most in this run):"
+    )
+    header = f"  {'buyers':>6} {LUA_BATCHED:>13} {'hot row':>8} {'ratio':>7} {'vs best':>8}"
+    print(header)
+    for line in table:
+        print(
+            f"  {line['buyers']:>6} {_format(line['batched'], '.0f'):>13} "
+            f"{_format(line['hot_row'], '.0f'):>8} "
+            f"{_times(line['ratio']):>7} {_times(line['versus_best']):>8}"
+        )

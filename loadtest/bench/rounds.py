@@ -37,13 +37,13 @@ def _prepare(contender: Contender, stock: int, ceiling_stock: int, warmup: int) 
     from inventory.services import start_sale
 
     for sku, units in ((contender.sku, stock), (warm_sku(contender), warmup)):
-        if contender.name == EVALSHA:
+        if contender.way == EVALSHA:
             get_redis_client().set(sku, ceiling_stock if sku == contender.sku else warmup)
         elif not units:
             continue
-        elif contender.name == HOT_ROW:
+        elif contender.way == HOT_ROW:
             start_sale(sku=sku, stock=units, strategy="optimistic", name="Bench hot row")
-        elif contender.name == EVALSHA_SELL:
+        elif contender.way == EVALSHA_SELL:
             start_sale(sku=sku, stock=units, strategy="lua", name="Bench take + row sale")
         else:
             strategy = contender.strategy if contender.kind == "strategy" else "lock"
@@ -51,7 +51,7 @@ def _prepare(contender: Contender, stock: int, ceiling_stock: int, warmup: int) 
 
 
 def _audit(contender: Contender, stock: int, sold: int) -> dict[str, Any]:
-    if contender.name == EVALSHA:
+    if contender.way == EVALSHA:
         from inventory.redis_client import get_redis_client
 
         client = get_redis_client()
@@ -89,7 +89,7 @@ def _units_per_commit(contender: Contender) -> float | None:
 def run_contender(contender: Contender, args: argparse.Namespace, round_: int) -> Result:
     from django.db import connections
 
-    stock = args.ceiling_stock if contender.name == EVALSHA else args.stock
+    stock = args.ceiling_stock if contender.way == EVALSHA else args.stock
     buyer_count = contender.buyers or args.buyers
     _prepare(contender, args.stock, args.ceiling_stock, args.warmup * buyer_count)
     # Children open their own connections: a connection shared across fork is corrupted.
@@ -203,7 +203,7 @@ def run_contender(contender: Contender, args: argparse.Namespace, round_: int) -
         safe=contender.safe,
         client_cpu_ms_per_buy=per_buy(sum(report.cpu_seconds for report in buyers)),
         postgres_cpu_ms_per_buy=None
-        if contender.name == EVALSHA or None in backend or not backend
+        if contender.way == EVALSHA or None in backend or not backend
         else per_buy(sum(seconds or 0.0 for seconds in backend)),
         redis_cpu_ms_per_buy=per_buy(redis_cpu),
         host_cpu_busy=host_busy,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from dataclasses import asdict
@@ -27,7 +28,15 @@ from pathlib import Path
 import django
 
 from .contenders import EVALSHA, PEERS, Result, contenders_for
-from .report import median_row, print_profile, print_ratios, print_table, ratios
+from .report import (
+    crowd_ratios,
+    median_row,
+    print_crowds,
+    print_profile,
+    print_ratios,
+    print_table,
+    ratios,
+)
 from .rounds import run_contender
 
 # -- command line -------------------------------------------------------------------------
@@ -128,6 +137,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="units each buyer buys, the contender's way, from a sale of their own before the "
         "measured one starts (connections, prepared statements, caches; 25; 0: none)",
     )
+    parser.add_argument(
+        "--crowds",
+        nargs="+",
+        type=_positive,
+        default=[],
+        help="also run `lua, batched` and the hot row with each of these crowds of buyers "
+        "(the batched row as many processes as at --buyers, the crowd spread over their "
+        "threads), and print their ratio at each crowd and against the hot row at its best "
+        "crowd of the run (none)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     args = parser.parse_args(argv)
     args.strategies = [name for value in args.strategies for name in _names(value)]
@@ -141,6 +160,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--work-ms must be 0 or more")
     if args.warmup < 0:
         parser.error("--warmup must be 0 or more")
+    # The crowd of --buyers is the run's own rows.
+    args.crowds = sorted(set(args.crowds) - {args.buyers})
     return args
 
 
@@ -278,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     by_name = {row.contender: row for row in rows}
     checks = ratios(by_name, args.work_ms, results)
     print_ratios(checks)
+    crowds = crowd_ratios(by_name, args.buyers, args.crowds)
+    if crowds:
+        print_crowds(crowds, math.ceil(args.buyers / args.batch_threads))
     print(
         "\nbuys/s: units sold / seconds from the start barrier to the last sale. cpu py: the "
         "buyer processes; cpu pg: their PostgreSQL backends; cpu redis: the whole Redis server; "
@@ -311,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                         "rounds": args.rounds,
                         "warmup": args.warmup,
                         "ceiling_stock": args.ceiling_stock,
+                        "crowds": args.crowds,
                         "profile": args.profile,
                         "lock_ttl_ms": settings.FLASHSALE_LOCK_TTL_MS,
                         "lock_wait_ms": settings.FLASHSALE_LOCK_WAIT_MS,
@@ -319,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                     "results": [asdict(result) for runs in results.values() for result in runs],
                     "medians": {row.contender: row.buys_per_second for row in rows},
                     "targets": checks,
+                    "crowds": crowds,
                     "broken": broken,
                     "crashed": crashed,
                 },

@@ -20,6 +20,8 @@ from tests.conftest import server_env
         ("calls", ["--sales", "0"]),
         ("calls", ["--blocks", "x"]),
         ("calls", ["--strategies", "optimistic"]),
+        ("strategies", ["--crowds", "0"]),
+        ("strategies", ["--crowds", "x"]),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_runs(benchmark, bad):

@@ -13,6 +13,7 @@ import pytest
 from inventory.exceptions import Busy
 from loadtest.bench.buyers import buy_until_done
 from loadtest.bench.contenders import (
+    EVALSHA_SELL,
     HOT_ROW,
     LUA_BATCHED,
     PEERS,
@@ -20,8 +21,10 @@ from loadtest.bench.contenders import (
     SEGMENTED_BATCHED,
     BuyerReport,
     Result,
+    contenders_for,
 )
-from loadtest.bench.report import median_row, print_ratios, ratios
+from loadtest.bench.report import crowd_ratios, median_row, print_crowds, print_ratios, ratios
+from loadtest.bench.strategies import parse_args
 from shop.processes.servers import PROJECT_DIR as ROOT
 from tests.conftest import server_env
 
@@ -42,6 +45,7 @@ SAFE = [
     "take + row sale (SQL)",
     "hot row (SQL)",
 ]
+CROWD_OF_TWO = ["lua, batched, 2 buyers", "hot row (SQL), 2 buyers"]
 ROW = re.compile(
     r"^(?P<contender>\S.*?)\s{2,}(?P<rate>\d+)\s+(?P<sold>\d+)\s+(?P<busy>\d+)\s+"
     r"(?P<oversold>\d+)\s+(?P<remaining>\S+)\s+(?P<consistent>yes|NO)\s"
@@ -65,10 +69,11 @@ def test_a_tiny_run_prints_every_contender_and_no_safe_one_oversells(django_db_s
         sys.executable, "-m", "loadtest.bench_strategies",
         "--buyers", "4", "--batch-threads", "4", "--stock", str(STOCK), "--duration", "5",
         "--warmup", "5", "--work-buyers", "3", "--ceiling-stock", "300",
-        "--rounds", str(ROUNDS), "--json", str(report),
+        "--rounds", str(ROUNDS), "--crowds", "2", "--json", str(report),
     ]  # fmt: skip
 
-    # When the benchmark runs every contender in turn, twice
+    # When the benchmark runs every contender in turn, twice, and lua batched and the hot row
+    # again with a crowd of two
     result = subprocess.run(
         command, cwd=ROOT, env=server_env(), capture_output=True, text=True, timeout=600
     )
@@ -80,9 +85,9 @@ def test_a_tiny_run_prints_every_contender_and_no_safe_one_oversells(django_db_s
         for match in map(ROW.match, result.stdout.splitlines())
         if match is not None
     }
-    expected = [*SAFE, "unsafe", "raw EVALSHA"]
+    expected = [*SAFE, *CROWD_OF_TWO, "unsafe", "raw EVALSHA"]
     assert sorted(rows) == sorted(expected), result.stdout
-    for name in SAFE:
+    for name in [*SAFE, *CROWD_OF_TWO]:
         assert rows[name]["oversold"] == "0", rows[name].string
         assert rows[name]["consistent"] == "yes", rows[name].string
     # and the targets, each met or missed: four on rates, the one under work, and lock's
@@ -110,7 +115,7 @@ def test_a_tiny_run_prints_every_contender_and_no_safe_one_oversells(django_db_s
     results: dict[str, list[dict]] = {}
     for entry in saved["results"]:
         results.setdefault(entry["contender"], []).append(entry)
-    for name in SAFE:
+    for name in [*SAFE, *CROWD_OF_TWO]:
         assert len(results[name]) == ROUNDS
         for run in results[name]:
             assert run["errors"] == [], run["errors"]
@@ -136,6 +141,13 @@ def test_a_tiny_run_prints_every_contender_and_no_safe_one_oversells(django_db_s
     ), result.stdout
     assert all(run["units_per_commit"] is None for run in results["lua"])
     assert saved["parameters"]["warmup"] == 5 and saved["parameters"]["batch_threads"] == 4
+    # and the rows of the crowd of two ran two buyers, the batched one as threads of one
+    # process that shared commits at least once; the table gives both crowds
+    assert all(run["buyers"] == 2 for name in CROWD_OF_TWO for run in results[name])
+    assert max(run["units_per_commit"] for run in results[CROWD_OF_TWO[0]]) > 1.0
+    assert [line["buyers"] for line in saved["crowds"]] == [2, 4]
+    assert all(line["ratio"] > 0 and line["versus_best"] > 0 for line in saved["crowds"])
+    assert re.search(r"^crowds \(buys/s; lua, batched: 1 processes", result.stdout, re.MULTILINE)
 
 
 @pytest.mark.parametrize("peer", list(PEERS))
@@ -284,3 +296,63 @@ def test_the_fairness_target_holds_locks_median_fewest_share_with_redis_pys_besi
     # and one round below it misses it
     (single,) = [c for c in ratios({"lock": lock[0]}) if c["measure"] == "fewest"]
     assert single["ratio"] == 0.75 and single["met"] is False and single["beside"] is None
+
+
+def test_crowds_repeat_lua_batched_and_the_hot_row_with_as_many_processes_as_the_default():
+    # Given the default crowd (8 buyers as 2 processes of 4 threads) and crowds of 5 and 16,
+    # the default's crowd named again
+    args = parse_args(["--strategies", "lua", "--crowds", "16", "5", "8", "--work-ms", "0"])
+    args.peers = []
+    assert args.crowds == [5, 16]
+
+    # When the run's contenders are made
+    contenders = {contender.name: contender for contender in contenders_for(args)}
+
+    # Then each crowd has the batched row as 2 processes (16: 8 threads each; 5: 3 and 2) and
+    # the hot row a process a buyer, each buying its row's way on a sale of its own
+    batched, hot_row = contenders["lua, batched, 16 buyers"], contenders["hot row (SQL), 16 buyers"]
+    assert (batched.buyers, batched.threads, batched.strategy) == (16, 8, "lua")
+    assert (batched.way, hot_row.way) == (LUA_BATCHED, HOT_ROW)
+    assert (hot_row.buyers, hot_row.threads, hot_row.kind) == (16, 1, "ceiling")
+    assert contenders["lua, batched, 5 buyers"].threads == 3
+    assert len({contender.sku for contender in contenders.values()}) == len(contenders)
+    assert contenders[EVALSHA_SELL].way == EVALSHA_SELL
+    # and without lua among the strategies, only the hot row repeats
+    args = parse_args(["--strategies", "lock", "--crowds", "16", "--work-ms", "0"])
+    args.peers = []
+    names = [contender.name for contender in contenders_for(args)]
+    assert "hot row (SQL), 16 buyers" in names and "lua, batched, 16 buyers" not in names
+
+
+def test_the_crowd_table_holds_lua_batched_against_the_hot_row_at_each_crowd_and_its_best(capsys):
+    # Given a hot row that sells most with 4 buyers and lua, batched most with 16
+    rows = {
+        row.contender: row
+        for row in [
+            _result("lua, batched, 4 buyers", 2800),
+            _result("hot row (SQL), 4 buyers", 3000),
+            _result(LUA_BATCHED, 4200),
+            _result(HOT_ROW, 2400),
+            _result("lua, batched, 16 buyers", 5800),
+            _result("hot row (SQL), 16 buyers", 2000),
+        ]
+    }
+
+    # When the table is worked out (8 buyers the run's default) and printed
+    table = crowd_ratios(rows, 8, [4, 16])
+    print_crowds(table, 2)
+
+    # Then each crowd's ratio is at its own crowd, and each is also held against the hot
+    # row at 4 buyers, its best
+    assert [line["buyers"] for line in table] == [4, 8, 16]
+    assert [line["ratio"] for line in table] == pytest.approx([2800 / 3000, 1.75, 2.9])
+    assert [line["versus_best"] for line in table] == pytest.approx([2800 / 3000, 1.4, 5800 / 3000])
+    assert {line["best_hot_row_buyers"] for line in table} == {4}
+    out = capsys.readouterr().out
+    assert "best: the hot row at 4 buyers" in out
+    assert "      16          5800     2000   2.90x    1.93x" in out
+    # and a crowd whose rows are missing prints dashes; no --crowds, no table
+    table = crowd_ratios({HOT_ROW: rows[HOT_ROW]}, 8, [16])
+    assert table[1] == {"buyers": 16, "batched": None, "hot_row": None, "ratio": None,
+                        "best_hot_row_buyers": 8, "versus_best": None}  # fmt: skip
+    assert crowd_ratios(rows, 8, []) == []
