@@ -26,18 +26,27 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 import psutil
+from django.core.exceptions import ImproperlyConfigured
 
 from .children import die_with_parent, exit_status, group_alive, signal_group
 from .embedded import ROOT
-from .servers import GRANIAN_THREADS, GRANIAN_WORKERS, granian_command, unix_healthz_status
+from .servers import (
+    GRANIAN_THREADS,
+    GRANIAN_WORKERS,
+    granian_command,
+    granian_kill_timeout,
+    unix_healthz_status,
+)
 
 LOCK_PATH = ROOT / ".data" / "serve.lock"
 METRICS_DIR = ROOT / ".data" / "metrics"
+#: How long a stop waits for the children before killing them, at least (`stop_timeout`).
 STOP_TIMEOUT_SECONDS = 15.0
 READY_TIMEOUT_SECONDS = 60.0
 #: A child that exits more than RESTART_LIMIT times in RESTART_WINDOW seconds is not started
@@ -45,6 +54,13 @@ READY_TIMEOUT_SECONDS = 60.0
 RESTART_LIMIT = 5
 RESTART_WINDOW = 60.0
 WEB_SERVER = "the web server (granian)"
+
+
+def stop_timeout(environ: Mapping[str, str] = os.environ) -> float:
+    """How long a stop waits for the children before killing them: STOP_TIMEOUT_SECONDS, or,
+    with a checkout deadline above 10 s, long enough for granian's workers to answer the
+    checkouts they hold first (its kill timeout and 3 s more)."""
+    return max(STOP_TIMEOUT_SECONDS, granian_kill_timeout(environ) + 3.0)
 
 
 def say(message: str) -> None:
@@ -132,8 +148,8 @@ class Retiring:
     the port beside the new server's (each worker's socket is its own, SO_REUSEPORT), or on
     the unix socket the new server's takes the place of once it answers. They are asked to
     stop (SIGTERM: granian's workers finish the requests they hold) once the new server's
-    workers listen, or READY_TIMEOUT_SECONDS after it was started, and killed
-    STOP_TIMEOUT_SECONDS after that."""
+    workers listen, or READY_TIMEOUT_SECONDS after it was started, and killed `stop_timeout()`
+    after that."""
 
     group: int
     since: float
@@ -164,6 +180,8 @@ class Server:
         #: Where a web server started beside a dead one's workers binds its unix socket, until
         #: it answers and the file takes the served path's place (`_new_server_answers`).
         self.beside: Path | None = None
+        #: How long a stop waits for the children before killing them (`stop_timeout`).
+        self.stop_timeout = stop_timeout()
 
     def _on_signal(self, signum: int, _frame) -> None:
         self.stop_requested = signum
@@ -315,7 +333,7 @@ class Server:
                 if self._new_server_answers() or now > retiring.since + READY_TIMEOUT_SECONDS:
                     signal_group(retiring.group, signal.SIGTERM)
                     retiring.stopping_since = now
-            elif now > retiring.stopping_since + STOP_TIMEOUT_SECONDS:
+            elif now > retiring.stopping_since + self.stop_timeout:
                 signal_group(retiring.group, signal.SIGKILL)
                 self.retiring.remove(retiring)
 
@@ -339,12 +357,13 @@ class Server:
                 proc.terminate()
         for retiring in self.retiring:
             signal_group(retiring.group, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_SECONDS
+        deadline = time.monotonic() + self.stop_timeout
         for name, proc in self.children.items():
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                say(f"{name} (pid {proc.pid}) did not stop within 15 s; killing it")
+                waited = f"{self.stop_timeout:g} s"
+                say(f"{name} (pid {proc.pid}) did not stop within {waited}; killing it")
                 proc.kill()
                 proc.wait()
             # Whatever the child left in its process group (workers) goes with it.
@@ -384,7 +403,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.uds is not None:
         args.uds = args.uds.resolve()  # the server starts in the checkout, maybe elsewhere
 
-    server = Server(args.host, args.port, args.workers, uds=args.uds, web_only=args.web_only)
+    try:
+        server = Server(args.host, args.port, args.workers, uds=args.uds, web_only=args.web_only)
+    except ImproperlyConfigured as exc:  # a setting out of its bounds
+        print(f"flashsale cannot serve: {exc}", file=sys.stderr)
+        return 2
     url = server.url
     lock = take_lock(url)
     if lock is None:

@@ -73,6 +73,13 @@ GRANIAN_THREADS = 8
 GRANIAN_LOGGING = "shop/granian_logging.json"
 
 
+def granian_kill_timeout(environ: Mapping[str, str] = os.environ) -> int:
+    """Seconds a granian worker told to stop has to answer what it serves before it is killed:
+    a checkout's deadline (FLASHSALE_CHECKOUT_DEADLINE_MS in `environ`) and 2 s more."""
+    deadline_ms = bounded("FLASHSALE_CHECKOUT_DEADLINE_MS", *CHECKOUT_DEADLINE_MS, environ=environ)
+    return math.ceil(deadline_ms / 1000) + 2
+
+
 def granian_command(
     *,
     host: str,
@@ -93,8 +100,7 @@ def granian_command(
     `environ` sets it for the server) and 2 s more to answer what it serves, then it is killed:
     one still importing the app has no handler for SIGTERM yet and loses the signal, and would
     otherwise keep its server from ever stopping."""
-    deadline_ms = bounded("FLASHSALE_CHECKOUT_DEADLINE_MS", *CHECKOUT_DEADLINE_MS, environ=environ)
-    kill_timeout = math.ceil(deadline_ms / 1000) + 2
+    kill_timeout = granian_kill_timeout(environ)
     # On the shared socket a worker takes a connection only when one of its threads is free
     # (--backpressure), so that one whose threads all wait leaves new ones to the others; a
     # proxy of another user (compose's nginx) may connect to it.

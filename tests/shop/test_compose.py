@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shop.processes.serve import STOP_TIMEOUT_SECONDS
+from shop.processes.serve import stop_timeout
 from shop.processes.servers import GRANIAN_THREADS, granian_command
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -293,10 +293,12 @@ def test_web_runs_the_web_server_under_its_supervisor_on_a_socket_the_proxy_shar
 
 def test_web_is_given_longer_to_stop_than_its_supervisor_gives_the_server(services):
     # docker compose stop: SIGTERM, then SIGKILL after stop_grace_period (10 s unless set); the
-    # supervisor waits up to STOP_TIMEOUT_SECONDS for granian's workers to answer what they hold
+    # supervisor waits up to `stop_timeout` (with web's checkout deadline) for granian's workers
+    # to answer what they hold
     grace = services["web"]["stop_grace_period"]
     assert re.fullmatch(r"\d+s", grace), grace
-    assert int(grace[:-1]) > STOP_TIMEOUT_SECONDS
+    environment = {name: str(value) for name, value in services["web"]["environment"].items()}
+    assert int(grace[:-1]) > stop_timeout(environment)
 
 
 def test_no_service_runs_a_sale_writer(services):

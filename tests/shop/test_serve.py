@@ -22,8 +22,8 @@ from inventory.selectors import audit_sale
 from inventory.services import start_sale
 from loadtest.flood import flood
 from shop.processes.ports import free_port
-from shop.processes.serve import socket_answers
-from shop.processes.servers import PROJECT_DIR, stop_group
+from shop.processes.serve import STOP_TIMEOUT_SECONDS, socket_answers, stop_timeout
+from shop.processes.servers import PROJECT_DIR, granian_kill_timeout, stop_group
 from tests.conftest import answers_ok, server_env, wait_until
 from tests.support import NGINX, gone, nginx_serving, nginx_site, run_in_thread
 
@@ -206,3 +206,64 @@ def _granians_main_dies_with_checkouts_in_flight(
         assert "its workers serve meanwhile" in log.read_text()
     finally:
         probed.set()
+
+
+def test_a_stop_outwaits_granians_workers_whatever_the_checkout_deadline():
+    # granian's workers, told to stop, have a checkout's deadline and 2 s to answer what they
+    # hold; the supervisor waits at least 15 s, and 3 s longer than they may take
+    for deadline_ms, expected in (("3000", 15.0), ("12000", 17.0), ("60000", 65.0)):
+        environ = {"FLASHSALE_CHECKOUT_DEADLINE_MS": deadline_ms}
+        assert stop_timeout(environ) == expected
+        assert stop_timeout(environ) > granian_kill_timeout(environ)
+    assert stop_timeout({}) == STOP_TIMEOUT_SECONDS
+
+
+def test_serve_refuses_a_checkout_deadline_out_of_bounds_at_start(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "shop.serve", "--port", str(free_port())],
+        cwd=PROJECT_DIR,
+        env={**os.environ, **server_env(), "FLASHSALE_CHECKOUT_DEADLINE_MS": "60001"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "flashsale cannot serve: FLASHSALE_CHECKOUT_DEADLINE_MS must be from 100 to 60000, "
+        "not 60001"
+    )
+
+
+@pytest.mark.slow
+def test_a_stop_answers_a_checkout_held_longer_than_fifteen_seconds(tmp_path):
+    # Given `make serve` with a 30 s checkout deadline, selling a `lua` sale whose batches
+    # take 17 s to write (the lab's hold delay), longer than a stop's least wait of 15 s
+    sku = "serve-long-stop"
+    start_sale(sku=sku, stock=10, strategy="lua", name="A checkout held past 15 s")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    serve = _serve(
+        tmp_path, port, FLASHSALE_HOLD_DELAY_MS=17_000, FLASHSALE_CHECKOUT_DEADLINE_MS=30_000
+    )
+    try:
+        assert wait_until(lambda: answers_ok(f"{url}/healthz"), timeout=90)
+        # and a checkout in flight (its units taken, its statement not yet sent)
+        buying, outcome = run_in_thread(
+            lambda: flood(url, sku, attempts=1, concurrency=1, timeout=60)
+        )
+        assert wait_until(lambda: audit_sale(sku)["redis_stock"] < 10, timeout=30)
+
+        # When the supervisor is told to stop
+        serve.send_signal(signal.SIGTERM)
+
+        # Then the checkout is answered 201 with its order, and the supervisor stops cleanly
+        buying.join(60)
+        assert "error" not in outcome, outcome.get("error")
+        result = outcome["result"]
+        assert result.statuses == {201: 1}, (result.statuses, (tmp_path / "serve.log").read_text())
+        assert Order.objects.filter(public_id__in=result.order_ids).count() == 1
+        assert serve.wait(timeout=60) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+        assert "did not stop within" not in (tmp_path / "serve.log").read_text()
+    finally:
+        stop_group(serve, timeout=60)
+    assert audit_sale(sku)["consistent"]
