@@ -6,14 +6,12 @@ by buyers on one hot item, all in one run so that every figure has its baseline 
 Needs DATABASE_URL and REDIS_URL; sells in the load-run sandbox. The contenders
 (`contenders_for`): each strategy, `lua` and `segmented` batched, `lock` and `segmented` with
 --work-ms of work, the peer locks inside `lock`'s code, the ceilings (raw EVALSHA, take + row
-sale, hot row); with --crowds, `lua, batched` and the hot row again with other crowds, printed
-crowd by crowd (docs/decisions/0033). Each one's --buyers warm up on a sale of their own,
-wait at a barrier, then buy one unit at a time through `inventory.services.place_order` until
-sold out; buys/s is units
-sold from the barrier to the last sale, beside the CPU per unit of the buyers, their PostgreSQL
-backends and Redis. Invariant held: every sale is audited after its contender, and the run
-exits 1 if one that must be safe (all but `unsafe`) oversold, is inconsistent or crashed; the
-targets are measurements, printed as met or missed.
+sale, hot row), and with --crowds `lua, batched` and the hot row at other crowds. Each one's
+--buyers warm up on a sale of their own, wait at a barrier, then buy one unit at a time through
+`inventory.services.place_order` until sold out; buys/s is units sold from the barrier to the
+last sale, beside the CPU per unit of the buyers, their PostgreSQL backends and Redis. Every
+sale is audited after its contender: the run exits 1 if one that must be safe (all but
+`unsafe`) oversold, is inconsistent or crashed; the targets are printed as met or missed.
 See docs/benchmarks.md#the-strategies-without-http.
 """
 
