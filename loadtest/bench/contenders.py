@@ -248,13 +248,16 @@ def contenders_for(args: argparse.Namespace) -> list[Contender]:
     return contenders + _crowds(args)
 
 
+def batch_processes(args: argparse.Namespace) -> int:
+    """The buyer processes of the batched rows: --buyers in processes of --batch-threads."""
+    return math.ceil(args.buyers / args.batch_threads)
+
+
 def _crowds(args: argparse.Namespace) -> list[Contender]:
     """`lua, batched` and the hot row again for each crowd of --crowds: the batched row as
-    many processes as at --buyers (one a core by default), the crowd spread over their
-    threads; the hot row a process a buyer. The hot row sells most with a small crowd and
-    `lua, batched` with a large one, so their ratio is a function of the crowd
-    (docs/decisions/0033-the-ratio-is-a-function-of-the-crowd.md)."""
-    processes = math.ceil(args.buyers / args.batch_threads)
+    many processes as at --buyers, the crowd spread over their threads; the hot row a process
+    a buyer (docs/decisions/0033-the-ratio-is-a-function-of-the-crowd.md)."""
+    processes = batch_processes(args)
     rows = []
     for crowd in args.crowds:
         if "lua" in args.strategies:

@@ -212,16 +212,12 @@ def crowd_ratios(rows: dict[str, Result], buyers: int, crowds: list[int]) -> lis
         return rows.get(name if crowd == buyers else at_crowd(name, crowd))
 
     measured = sorted({buyers, *crowds})
-    hot_rows = {crowd: row(HOT_ROW, crowd) for crowd in measured}
-    best = max(
-        (crowd for crowd in measured if hot_rows[crowd] is not None),
-        key=lambda crowd: hot_rows[crowd].buys_per_second,  # type: ignore[union-attr]
-        default=None,
-    )
+    hot_rows = {crowd: hot for crowd in measured if (hot := row(HOT_ROW, crowd)) is not None}
+    best = max(hot_rows, key=lambda crowd: hot_rows[crowd].buys_per_second, default=None)
     best_row = None if best is None else hot_rows[best]
     table = []
     for crowd in measured:
-        batched, hot_row = row(LUA_BATCHED, crowd), hot_rows[crowd]
+        batched, hot_row = row(LUA_BATCHED, crowd), hot_rows.get(crowd)
         table.append(
             {
                 "buyers": crowd,

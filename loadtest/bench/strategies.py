@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from dataclasses import asdict
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import django
 
-from .contenders import EVALSHA, PEERS, Result, contenders_for
+from .contenders import EVALSHA, PEERS, Result, batch_processes, contenders_for
 from .report import (
     crowd_ratios,
     median_row,
@@ -301,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     print_ratios(checks)
     crowds = crowd_ratios(by_name, args.buyers, args.crowds)
     if crowds:
-        print_crowds(crowds, math.ceil(args.buyers / args.batch_threads))
+        print_crowds(crowds, batch_processes(args))
     print(
         "\nbuys/s: units sold / seconds from the start barrier to the last sale. cpu py: the "
         "buyer processes; cpu pg: their PostgreSQL backends; cpu redis: the whole Redis server; "
