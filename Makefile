@@ -20,6 +20,7 @@ ADMIN_USER ?= admin
 
 .DEFAULT_GOAL := help
 .PHONY: help venv test serve demo bench pitfall manage sale admin lint fmt clean clean-reports \
+	clean-sandbox \
 	chromium nginx compose
 
 help: ## list the targets
@@ -129,3 +130,6 @@ clean: ## remove .venv and .data (refuses while a serve or embedded PostgreSQL s
 
 clean-reports: ## remove reports/, the load runs' reports (a FLASHSALE_REPORTS_DIR elsewhere is left alone)
 	rm -rf reports
+
+clean-sandbox: $(STAMP) ## drop the load-run sandbox: the database where load runs and benchmarks sell, and its Redis keys
+	$(RUN) $(PY) manage.py sandbox drop

@@ -10,6 +10,7 @@ keep the shop's sweeper busy.
 
 A process enters the sandbox by starting again with the sandbox's environment (`enter`), so
 that everything it starts (the web server, the Celery worker, buyer processes) inherits it.
+`drop` removes the sandbox (`manage.py sandbox drop`); the next run creates it again.
 See docs/load-runs.md#where-it-sells.
 """
 
@@ -104,6 +105,54 @@ def enter(argv: Sequence[str]) -> NoReturn:
     )
     connection.close()
     os.execve(sys.executable, [sys.executable, *argv], env)
+
+
+def drop(env: Mapping[str, str]) -> tuple[str, bool, int]:
+    """Drop the sandbox of the shop `env` describes: its database, then its Redis keys. Returns
+    the database's name, whether it was there, and how many keys were deleted.
+
+    Raises SandboxError, having dropped nothing, while anything is connected to the database (a
+    load run or a bench selling in it): PostgreSQL refuses to drop a database in use. The keys
+    go with the database even when it is gone already: a sale of a database created again
+    starts its ids at 1, and would meet its namesake's keys (claims, give-back markers).
+    """
+    from inventory.redis_client import get_redis_client
+
+    sandbox = environment(env)
+    name = unquote(urlsplit(sandbox["DATABASE_URL"]).path.lstrip("/"))
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name])
+        existed = cursor.fetchone() is not None
+        try:
+            cursor.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        except DatabaseError as exc:
+            if getattr(exc.__cause__, "sqlstate", None) == OBJECT_IN_USE:
+                raise SandboxError(
+                    f"the load-run database {name} is in use (a load run or a bench is selling "
+                    "in it): nothing was dropped"
+                ) from None
+            raise SandboxError(f"cannot drop the load-run database {name}: {exc}") from exc
+    client = get_redis_client()
+    pattern = _glob_escape(sandbox["FLASHSALE_REDIS_PREFIX"] + ":") + "*"
+    deleted = 0
+    batch: list[bytes] = []
+    for key in client.scan_iter(match=pattern, count=1000):
+        batch.append(key)
+        if len(batch) == 1000:
+            deleted += client.delete(*batch)
+            batch.clear()
+    if batch:
+        deleted += client.delete(*batch)
+    return name, existed, deleted
+
+
+#: SQLSTATE object_in_use: DROP DATABASE while other sessions are connected to it.
+OBJECT_IN_USE = "55006"
+
+
+def _glob_escape(text: str) -> str:
+    """`text` matched literally in a SCAN pattern."""
+    return "".join("\\" + char if char in "*?[]\\" else char for char in text)
 
 
 class RunsRouter:
