@@ -112,9 +112,11 @@ def drop(env: Mapping[str, str]) -> tuple[str, bool, int]:
     the database's name, whether it was there, and how many keys were deleted.
 
     Raises SandboxError, having dropped nothing, while anything is connected to the database (a
-    load run or a bench selling in it): PostgreSQL refuses to drop a database in use. The keys
-    go with the database even when it is gone already: a sale of a database created again
-    starts its ids at 1, and would meet its namesake's keys (claims, give-back markers).
+    load run or a bench selling in it): PostgreSQL waits up to 5 s for its sessions to end, then
+    refuses. Meant for between runs: a bench is without a connection for a moment between
+    rounds. The keys go with the database even when it is gone already: a sale of a database
+    created again starts its ids at 1, and would meet its namesake's keys (claims, give-back
+    markers).
     """
     from inventory.redis_client import get_redis_client
 
@@ -127,9 +129,12 @@ def drop(env: Mapping[str, str]) -> tuple[str, bool, int]:
             cursor.execute(f'DROP DATABASE IF EXISTS "{name}"')
         except DatabaseError as exc:
             if getattr(exc.__cause__, "sqlstate", None) == OBJECT_IN_USE:
+                # PostgreSQL's detail says how many: "There are 2 other sessions using ...".
+                detail = getattr(getattr(exc.__cause__, "diag", None), "message_detail", "")
+                who = f": {detail.rstrip('.')}" if detail else ""
                 raise SandboxError(
-                    f"the load-run database {name} is in use (a load run or a bench is selling "
-                    "in it): nothing was dropped"
+                    f"the load-run database {name} is in use (a load run or a bench selling in "
+                    f"it, or another connection{who}): nothing was dropped"
                 ) from None
             raise SandboxError(f"cannot drop the load-run database {name}: {exc}") from exc
     client = get_redis_client()

@@ -15,7 +15,8 @@ class Command(BaseCommand):
     help = (
         "drop: remove the load-run sandbox, the database beside the shop's where load runs and "
         "benchmarks sell, and its Redis keys, to reclaim what their orders take; the next run "
-        "creates it again. Refuses, dropping nothing, while a run is selling in it."
+        "creates it again. Run it between runs: while a connection to that database stays open "
+        "5 s, it drops nothing."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
