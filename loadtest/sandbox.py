@@ -20,7 +20,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from django.conf import settings
@@ -107,9 +107,19 @@ def enter(argv: Sequence[str]) -> NoReturn:
     os.execve(sys.executable, [sys.executable, *argv], env)
 
 
-def drop(env: Mapping[str, str]) -> tuple[str, bool, int]:
-    """Drop the sandbox of the shop `env` describes: its database, then its Redis keys. Returns
-    the database's name, whether it was there, and how many keys were deleted.
+class Dropped(NamedTuple):
+    """What `drop` dropped."""
+
+    database: str
+    #: Whether the database was there to drop.
+    existed: bool
+    #: The sandbox's Redis key prefix, and how many keys under it were deleted.
+    prefix: str
+    keys: int
+
+
+def drop(env: Mapping[str, str]) -> Dropped:
+    """Drop the sandbox of the shop `env` describes: its database, then its Redis keys.
 
     Raises SandboxError, having dropped nothing, while anything is connected to the database (a
     load run or a bench selling in it): PostgreSQL waits up to 5 s for its sessions to end, then
@@ -138,7 +148,8 @@ def drop(env: Mapping[str, str]) -> tuple[str, bool, int]:
                 ) from None
             raise SandboxError(f"cannot drop the load-run database {name}: {exc}") from exc
     client = get_redis_client()
-    pattern = _glob_escape(sandbox["FLASHSALE_REDIS_PREFIX"] + ":") + "*"
+    prefix = sandbox["FLASHSALE_REDIS_PREFIX"]
+    pattern = _glob_escape(prefix + ":") + "*"
     deleted = 0
     batch: list[bytes] = []
     for key in client.scan_iter(match=pattern, count=1000):
@@ -148,7 +159,7 @@ def drop(env: Mapping[str, str]) -> tuple[str, bool, int]:
             batch.clear()
     if batch:
         deleted += client.delete(*batch)
-    return name, existed, deleted
+    return Dropped(name, existed, prefix, deleted)
 
 
 #: SQLSTATE object_in_use: DROP DATABASE while other sessions are connected to it.

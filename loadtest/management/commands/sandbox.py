@@ -26,9 +26,9 @@ class Command(BaseCommand):
         if sandbox.active():
             raise CommandError("this process runs in the sandbox: drop it from the shop's")
         try:
-            name, existed, deleted = sandbox.drop(os.environ)
+            dropped = sandbox.drop(os.environ)
         except sandbox.SandboxError as error:
             raise CommandError(str(error)) from None
-        prefix = sandbox.environment(os.environ)["FLASHSALE_REDIS_PREFIX"]
-        what = f"dropped the load-run database {name}" if existed else f"no database {name}"
-        self.stdout.write(f"{what}; deleted {deleted} Redis keys under {prefix}:")
+        name = dropped.database
+        what = f"dropped the load-run database {name}" if dropped.existed else f"no database {name}"
+        self.stdout.write(f"{what}; deleted {dropped.keys} Redis keys under {dropped.prefix}:")
