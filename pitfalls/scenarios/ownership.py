@@ -66,9 +66,14 @@ class ForeignRelease(Scenario):
                     held.release()
                 except LockNotOwnedError:
                     recorder.note("A", "release refused", "the lock is not A's any more")
+                deleted_other = client.get(NAME) is None
             else:
+                # Whose lock the DEL removes is read just before it: B holds it 0.5 s, so it
+                # cannot change hands in between, while after the DEL C's spin may have taken it.
+                holder = client.get(NAME)
                 naive.delete_release(own, NAME)
-            if client.get(NAME) is None and "B" in recorder.holding():
+                deleted_other = holder is not None and holder not in (held, (held or "").encode())
+            if deleted_other and "B" in recorder.holding():
                 released_by_others += 1
                 recorder.note("A", "deleted B's lock")
 
