@@ -20,7 +20,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from django.conf import settings
@@ -149,7 +149,18 @@ def drop(env: Mapping[str, str]) -> Dropped:
             raise SandboxError(f"cannot drop the load-run database {name}: {exc}") from exc
     client = get_redis_client()
     prefix = sandbox["FLASHSALE_REDIS_PREFIX"]
-    pattern = _glob_escape(prefix + ":") + "*"
+    deleted = delete_prefix(client, prefix + ":")
+    return Dropped(name, existed, prefix, deleted)
+
+
+#: SQLSTATE object_in_use: DROP DATABASE while other sessions are connected to it.
+OBJECT_IN_USE = "55006"
+
+
+def delete_prefix(client: Any, prefix: str) -> int:
+    """Delete every key of `client` whose name starts with `prefix`, a thousand at a time;
+    returns how many were deleted."""
+    pattern = "".join("\\" + char if char in "*?[]\\" else char for char in prefix) + "*"
     deleted = 0
     batch: list[bytes] = []
     for key in client.scan_iter(match=pattern, count=1000):
@@ -159,16 +170,7 @@ def drop(env: Mapping[str, str]) -> Dropped:
             batch.clear()
     if batch:
         deleted += client.delete(*batch)
-    return Dropped(name, existed, prefix, deleted)
-
-
-#: SQLSTATE object_in_use: DROP DATABASE while other sessions are connected to it.
-OBJECT_IN_USE = "55006"
-
-
-def _glob_escape(text: str) -> str:
-    """`text` matched literally in a SCAN pattern."""
-    return "".join("\\" + char if char in "*?[]\\" else char for char in text)
+    return deleted
 
 
 class RunsRouter:

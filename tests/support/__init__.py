@@ -19,6 +19,7 @@ from typing import Any
 
 import psutil
 
+from loadtest.sandbox import delete_prefix as delete_prefix
 from shop.processes.ports import free_port
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -38,24 +39,6 @@ def redis_url() -> str:
 def unique_prefix(label: str = "test") -> str:
     """A key prefix no other test run uses, e.g. ``test:lock:3f2a...:``."""
     return f"test:{label}:{uuid.uuid4().hex}:"
-
-
-def delete_prefix(client: Any, prefix: str) -> int:
-    """Delete every key starting with ``prefix``; returns how many were deleted."""
-    deleted = 0
-    batch = []
-    for key in client.scan_iter(match=_glob_escape(prefix) + "*", count=500):
-        batch.append(key)
-        if len(batch) >= 500:
-            deleted += client.delete(*batch)
-            batch.clear()
-    if batch:
-        deleted += client.delete(*batch)
-    return deleted
-
-
-def _glob_escape(text: str) -> str:
-    return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)
 
 
 def gather_from_processes(processes: list[Any], results: Any, *, timeout: float = 60) -> list:
