@@ -98,8 +98,13 @@ def enter(argv: Sequence[str]) -> NoReturn:
     """Run `python argv...` again in the sandbox, in place of this process."""
     env = environment(os.environ)
     name = prepare(env)
+    with connection.cursor() as cursor:
+        # Nothing prunes the sandbox: every run's orders stay until it is dropped.
+        cursor.execute("SELECT pg_size_pretty(pg_database_size(%s))", [name])
+        (size,) = cursor.fetchone()
     print(
-        f"load-run sandbox: database {name}, Redis prefix {env['FLASHSALE_REDIS_PREFIX']}",
+        f"load-run sandbox: database {name} ({size}; `make clean-sandbox` drops it between "
+        f"runs), Redis prefix {env['FLASHSALE_REDIS_PREFIX']}",
         file=sys.stderr,
         flush=True,
     )
