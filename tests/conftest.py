@@ -15,6 +15,7 @@ from django.conf import settings
 from django.db import connection
 
 from shop import queues
+from shop.processes.children import pid_alive
 from shop.processes.servers import CeleryWorker, ShopServer
 from tests.support import delete_prefix, flush, redis_url, unique_prefix
 
@@ -72,6 +73,29 @@ def _breakers_closed() -> Iterator[None]:
     breaker.settle(timeout=10)  # a probe the test started: done before its data goes
     breaker.reset()
     broker_breaker.reset()
+
+
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings(
+    django_db_modify_db_settings_parallel_suffix: None, django_db_blocker
+) -> None:
+    """This run's own test database, `test_<database>_<pid>`: two runs on one PostgreSQL (two
+    checkouts, or a run beside CI) would otherwise drop each other's database and load-run
+    sandbox. The databases a run left when it was killed (its pid gone) are dropped first."""
+    database = settings.DATABASES["default"]
+    if database["ENGINE"] == "shop.nodatabase":
+        return  # no database configured: the tests that need one say so
+    stem = f"test_{database['NAME']}_"
+    database.setdefault("TEST", {})["NAME"] = f"{stem}{os.getpid()}"
+    from loadtest.sandbox import SUFFIX
+
+    with django_db_blocker.unblock(), connection.cursor() as cursor:
+        cursor.execute("SELECT datname FROM pg_database WHERE starts_with(datname, %s)", [stem])
+        for (name,) in cursor.fetchall():
+            pid = name.removeprefix(stem).removesuffix(SUFFIX)
+            if pid.isdigit() and not pid_alive(int(pid)):
+                cursor.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    connection.close()
 
 
 @pytest.fixture(autouse=True, scope="session")
