@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -79,14 +81,16 @@ def _breakers_closed() -> Iterator[None]:
 def django_db_modify_db_settings(
     django_db_modify_db_settings_parallel_suffix: None, django_db_blocker, django_db_keepdb: bool
 ) -> None:
-    """This run's own test database, `test_<database>_<pid>`: two runs on one PostgreSQL (two
-    checkouts, or a run beside CI) would otherwise drop each other's database and load-run
-    sandbox. The databases a run left when it was killed (its pid gone) are dropped first.
-    `--reuse-db` keeps pytest-django's one name, `test_<database>`, from run to run."""
+    """This run's own test database, `test_<database>_<host>_<pid>` (`<host>`: a short hash of
+    the host's name): two runs on one PostgreSQL (two checkouts, or a run beside CI) would
+    otherwise drop each other's database and load-run sandbox. The databases a run on this host
+    left when it was killed (its pid gone) are dropped first. `--reuse-db` keeps
+    pytest-django's one name, `test_<database>`, from run to run."""
     database = settings.DATABASES["default"]
     if database["ENGINE"] == "shop.nodatabase" or django_db_keepdb:
         return  # no database configured (the tests that need one say so), or one to reuse
-    stem = f"test_{database['NAME']}_"
+    host = hashlib.blake2s(socket.gethostname().encode(), digest_size=3).hexdigest()
+    stem = f"test_{database['NAME']}_{host}_"
     database.setdefault("TEST", {})["NAME"] = f"{stem}{os.getpid()}"
     from loadtest.sandbox import SUFFIX
 

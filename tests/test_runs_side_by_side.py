@@ -1,6 +1,6 @@
 """Two runs of the suite on one PostgreSQL: each has a test database of its own
-(`test_<database>_<pid>`, tests/conftest.py), and a run that starts drops the databases of runs
-that were killed."""
+(`test_<database>_<host>_<pid>`, tests/conftest.py), and a run that starts drops the databases
+of runs on its host that were killed."""
 
 from __future__ import annotations
 
