@@ -72,7 +72,7 @@ class ForeignRelease(Scenario):
                 # cannot change hands in between, while after the DEL C's spin may have taken it.
                 holder = client.get(NAME)
                 naive.delete_release(own, NAME)
-                deleted_other = holder is not None and holder not in (held, (held or "").encode())
+                deleted_other = holder is not None and holder != (held or "").encode()
             if deleted_other and "B" in recorder.holding():
                 released_by_others += 1
                 recorder.note("A", "deleted B's lock")
