@@ -48,10 +48,10 @@ def _isolated_redis_and_queue() -> Iterator[None]:
     from inventory.redis_client import get_redis_client
 
     client = get_redis_client()
-    keys = list(client.scan_iter(match=f"{REDIS_PREFIX}*", count=1000))
-    keys += list(client.scan_iter(match=f"_kombu.binding*.{TASK_QUEUE}*", count=1000))
-    if keys:
-        client.delete(*keys)
+    delete_prefix(client, REDIS_PREFIX)  # the shop's keys, and the order queue's (TASK_QUEUE)
+    bindings = list(client.scan_iter(match=f"_kombu.binding*.{TASK_QUEUE}*", count=1000))
+    if bindings:
+        client.delete(*bindings)
 
 
 @pytest.fixture(autouse=True)
