@@ -31,7 +31,8 @@ def tail(path: Path, lines: int = 25) -> str:
     return "\n".join(text.splitlines()[-lines:]) or "(empty)"
 
 
-def _import_pgserver():
+def import_pgserver():
+    """The `pgserver` package, imported quietly, or a clear error if it is not installed."""
     logging.getLogger("pgserver").addHandler(logging.NullHandler())
     with warnings.catch_warnings():
         # platformdirs warns when XDG_RUNTIME_DIR is unset (containers, CI): harmless here.
@@ -89,7 +90,7 @@ class EmbeddedPostgres:
                 handles.write_text(json.dumps(alive))
 
     def start(self) -> None:
-        pgserver = _import_pgserver()
+        pgserver = import_pgserver()
         self.pgdata.parent.mkdir(parents=True, exist_ok=True)
         self.shared_with_pid = postmaster_pid(self.pgdata)
         log = self.pgdata / "log"
@@ -161,7 +162,7 @@ class EmbeddedPostgres:
         if server is None:
             return
         try:
-            self._prune_dead_handles(_import_pgserver())
+            self._prune_dead_handles(import_pgserver())
             server.cleanup()
         except Exception as exc:
             say(f"could not stop embedded PostgreSQL in {self.pgdata} cleanly: {exc}")

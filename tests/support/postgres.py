@@ -23,15 +23,15 @@ from typing import Any
 import psutil
 import psycopg
 
+from shop.processes.embedded_postgres import import_pgserver
 from shop.processes.ports import free_port
 
 DATABASE = "flashsale"
 
 
 def _binaries() -> Path:
-    import pgserver._commands
-
-    return Path(pgserver._commands.POSTGRES_BIN_PATH)
+    # pgserver imported as the shop's embedded start imports it: without its warnings.
+    return Path(import_pgserver()._commands.POSTGRES_BIN_PATH)
 
 
 class PostgresServer:
@@ -45,13 +45,13 @@ class PostgresServer:
         self.process: subprocess.Popen[bytes] | None = None
         self.user: str | None = None
         if os.geteuid() == 0:
-            from pgserver.utils import ensure_folder_permissions, ensure_user_exists
+            utils = import_pgserver().utils
 
             self.user = "pgserver"
-            ensure_user_exists(self.user)
+            utils.ensure_user_exists(self.user)
             # The binaries readable and runnable by that user (as pgserver does).
-            ensure_folder_permissions(_binaries(), 0o055)
-            ensure_folder_permissions(_binaries().parent / "lib", 0o044)
+            utils.ensure_folder_permissions(_binaries(), 0o055)
+            utils.ensure_folder_permissions(_binaries().parent / "lib", 0o044)
             os.chmod(self.directory, 0o777)
 
     def _run(self, *argv: str) -> None:
