@@ -14,6 +14,7 @@ import logging
 import subprocess
 import warnings
 from pathlib import Path
+from types import ModuleType
 from urllib.parse import quote
 
 from .children import pid_alive
@@ -31,7 +32,7 @@ def tail(path: Path, lines: int = 25) -> str:
     return "\n".join(text.splitlines()[-lines:]) or "(empty)"
 
 
-def import_pgserver():
+def import_pgserver() -> ModuleType:
     """The `pgserver` package, imported quietly, or a clear error if it is not installed."""
     logging.getLogger("pgserver").addHandler(logging.NullHandler())
     with warnings.catch_warnings():
@@ -76,7 +77,7 @@ class EmbeddedPostgres:
         self.socket_dir: Path | None = None
         self.port: int | None = None
 
-    def _prune_dead_handles(self, pgserver) -> None:
+    def _prune_dead_handles(self, pgserver: ModuleType) -> None:
         """Forget runners that died without cleaning up (kill -9), so the last live one stops
         the server instead of leaving it running forever."""
         handles = self.pgdata / ".handle_pids.json"
