@@ -45,8 +45,12 @@ def _isolated_redis_and_queue() -> Iterator[None]:
     settings.SECRET_KEY = TEST_SECRET_KEY
     queues.use(app, TASK_QUEUE)
     yield
+    from inventory.orders import publisher
     from inventory.redis_client import get_redis_client
 
+    # Orders the publisher still holds are sent now, not at the interpreter's exit, after the
+    # queue below is gone (which would leave it behind, holding their message).
+    publisher.stop()
     client = get_redis_client()
     delete_prefix(client, REDIS_PREFIX)  # the shop's keys, and the order queue's (TASK_QUEUE)
     bindings = list(client.scan_iter(match=f"_kombu.binding*.{TASK_QUEUE}*", count=1000))
