@@ -13,7 +13,8 @@ from .scripts import counter as counter_scripts
 from .scripts import script_for
 
 
-def _positive_qty(qty: int) -> int:
+def positive_qty(qty: int) -> int:
+    """``qty``, checked to be a positive int."""
     # bool is an int subclass; True as a quantity is a bug, not "1".
     if isinstance(qty, bool) or not isinstance(qty, int) or qty <= 0:
         raise ValueError(f"qty must be a positive int, got {qty!r}")
@@ -76,7 +77,7 @@ class Take:
     claim: Claim | None = None
 
     def __post_init__(self) -> None:
-        _positive_qty(self.qty)
+        positive_qty(self.qty)
         if not isinstance(self.cursor, str) or not isinstance(self.counters, (list, tuple)):
             raise ValueError("a take needs a cursor key and a list of counter keys")
         if not self.counters or not _all_keys(self.counters):
@@ -139,7 +140,7 @@ class StockCounter:
         Returns the new value (>= 0), :attr:`MISSING` or :attr:`INSUFFICIENT` (then the
         counter is unchanged). Raises ValueError unless ``qty`` is a positive int.
         """
-        return int(self._take(keys=[key], args=[_positive_qty(qty)], client=self.redis))
+        return int(self._take(keys=[key], args=[positive_qty(qty)], client=self.redis))
 
     def take_spread(
         self,
@@ -167,7 +168,7 @@ class StockCounter:
         claim_keys, claim_argv = claim_args(claim)
         reply = self._take_spread(
             keys=[cursor, *keys, *claim_keys],
-            args=[_positive_qty(qty), *claim_argv],
+            args=[positive_qty(qty), *claim_argv],
             client=self.redis,
         )
         if reply[0] == self.CLAIMED and claim is not None:
@@ -222,10 +223,10 @@ class StockCounter:
         if len(counters) != len(locks) or not counters:
             raise ValueError("one lock per counter, and at least one of each")
         if is_cluster(self.redis) and len(counters) > 1:
-            return self._lock_first_apart(counters, locks, _positive_qty(qty), start, token, ttl_ms)
+            return self._lock_first_apart(counters, locks, positive_qty(qty), start, token, ttl_ms)
         reply = self._lock_first(
             keys=[*counters, *locks],
-            args=[_positive_qty(qty), start, token, ttl_ms],
+            args=[positive_qty(qty), start, token, ttl_ms],
             client=self.redis,
         )
         return self._first_holding(reply)
@@ -245,7 +246,7 @@ class StockCounter:
                 raise ValueError("one lock per counter, and at least one of each")
             self._lock_first(
                 keys=[*call.counters, *call.locks],
-                args=[_positive_qty(call.qty), call.start, call.token, call.ttl_ms],
+                args=[positive_qty(call.qty), call.start, call.token, call.ttl_ms],
                 client=pipe,
             )
         return [self._first_holding(reply) for reply in pipe.execute()]
@@ -304,11 +305,11 @@ class StockCounter:
         missing, as with :meth:`give_back`."""
         if is_cluster(self.redis):
             for key, qty in amounts.items():
-                self._give_back(keys=[key], args=[_positive_qty(qty)], client=self.redis)
+                self._give_back(keys=[key], args=[positive_qty(qty)], client=self.redis)
             return
         pipe = self.redis.pipeline(transaction=False)
         for key, qty in amounts.items():
-            self._give_back(keys=[key], args=[_positive_qty(qty)], client=pipe)
+            self._give_back(keys=[key], args=[positive_qty(qty)], client=pipe)
         pipe.execute()
 
     def give_back(self, key: str, qty: int) -> int:
@@ -317,7 +318,7 @@ class StockCounter:
         A missing counter stays missing: stock is not resurrected for a product whose
         counter was removed. Raises ValueError unless ``qty`` is a positive int.
         """
-        return int(self._give_back(keys=[key], args=[_positive_qty(qty)], client=self.redis))
+        return int(self._give_back(keys=[key], args=[positive_qty(qty)], client=self.redis))
 
     def give_back_once(
         self, marker: str, amounts: Mapping[str, int], *, marker_ttl: int = 7 * 24 * 3600
@@ -329,17 +330,17 @@ class StockCounter:
         ``marker_ttl`` seconds.
         """
         keys = [marker, *amounts]
-        args = [marker_ttl, *(_positive_qty(qty) for qty in amounts.values())]
+        args = [marker_ttl, *(positive_qty(qty) for qty in amounts.values())]
         return bool(self._give_back_once(keys=keys, args=args, client=self.redis))
 
     def set(self, key: str, value: int) -> None:
         """Set ``key`` to ``value`` (a non-negative int)."""
-        self.redis.set(key, _stock_value(value))
+        self.redis.set(key, stock_value(value))
 
     def set_many(self, mapping: Mapping[str, int]) -> None:
         """Set several counters at once (one MSET); values are non-negative ints."""
         if mapping:
-            values = {key: _stock_value(value) for key, value in mapping.items()}
+            values = {key: stock_value(value) for key, value in mapping.items()}
             if is_cluster(self.redis):
                 self.redis.mset_nonatomic(values)
             else:
@@ -384,7 +385,7 @@ class StockCounter:
         for value, version in levels.values():
             if isinstance(version, bool) or not isinstance(version, int):
                 raise ValueError(f"version must be an int, got {version!r}")
-            args += [_stock_value(value), version]
+            args += [stock_value(value), version]
         names = list(levels)
         return (
             counter_scripts.STOCK_SET_NEWER,
@@ -411,7 +412,8 @@ def version_key(key: str) -> str:
     return f"{key}:version"
 
 
-def _stock_value(value: int) -> int:
+def stock_value(value: int) -> int:
+    """``value``, checked to be a non-negative int (a counter's level)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"stock must be a non-negative int, got {value!r}")
     return value
