@@ -26,6 +26,9 @@ under `item:<sku>:sale:<id>:`, so a restarted sale never meets its predecessor's
 #                                         a `lua` checkout's claim on its idempotency key
 # item:<sku>:sale:<id>:{<sku>:<id>}:returned:<order>
 #                                         set once a failed order's units are back in Redis
+# item:<sku>:sale:<id>:{<sku>:<id>}:holders, :generation
+#                                         the processes holding `lua` units taken ahead, and
+#                                         how often the counters were set under them
 # item:<sku>:sale:<id>:{<sku>:<id>}:gone, :additions
 #                                         `lock`'s sold-out mark (`<additions>:<units left>`)
 #                                         and the count of additions to the item row that
@@ -98,6 +101,18 @@ def _turn(prefix: str, sku: str, sale_id: int | None) -> str:
 
 def claim(item: Item, idempotency_key: str) -> str:
     return sale_key(item, "claim", idempotency_key)
+
+
+def holders(item: Item) -> str:
+    """The processes holding units of the current sale taken ahead of their checkouts, each
+    with when its lease ends (`inventory.strategies.ahead`; in the sale's slot)."""
+    return sale_key(item, "holders")
+
+
+def generation(item: Item) -> str:
+    """How many times `lua`'s counters of the current sale were set from the database: units
+    taken ahead in an earlier generation are not given back (in the sale's slot)."""
+    return sale_key(item, "generation")
 
 
 def returned_marker(item: Item, order_pk: int) -> str:

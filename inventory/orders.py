@@ -367,7 +367,9 @@ def reconcile_sale(sku: str, *, cause: str = SaleRepair.Cause.COMMAND) -> list[s
         if not cursor.fetchone()[0]:
             raise RepairInProgress(f"{sku}: another process is repairing this sale right now")
         try:
-            changes = _reconcile(sku)
+            # The periodic pass leaves Redis alone while processes hold units taken ahead;
+            # any other repair (a process starting, Redis back, an operator) sets it anyway.
+            changes = _reconcile(sku, redis_now=cause != SaleRepair.Cause.RECONCILER)
             if changes:
                 sale_id = (
                     Item.objects.filter(sku=sku).values_list("current_sale_id", flat=True).first()
@@ -384,7 +386,7 @@ def reconcile_sale(sku: str, *, cause: str = SaleRepair.Cause.COMMAND) -> list[s
 RECONCILE_LOCK = 0x46530003
 
 
-def _reconcile(sku: str) -> list[str]:
+def _reconcile(sku: str, *, redis_now: bool) -> list[str]:
     changes: list[str] = []
     with transaction.atomic():
         # The row locks (the sale's stock rows in index order, then the item: no writer locks
@@ -438,7 +440,9 @@ def _reconcile(sku: str) -> list[str]:
         # Its Redis state, if any, is a sold-out mark (`lock`'s): voided on every pass, so that
         # none outlives units a restock or a give-back added while Redis missed it.
         strategy.sync_redis(item=item)
-    else:
+    elif redis_now or strategy.redis_settled(item=item):
+        # (While processes hold units taken ahead, Redis counts fewer than the database; they
+        # give them back within a second, and the next pass compares.)
         before = strategy.redis_stock(item=item)
         if before != expected:
             strategy.sync_redis(item=item, force=True)

@@ -121,3 +121,9 @@ class StockStrategy(ABC):
     def redis_stock(self, *, item: Item) -> int | None:
         """Units Redis believes are left, or None when the strategy keeps no count in Redis."""
         return None
+
+    def redis_settled(self, *, item: Item) -> bool:
+        """Whether what Redis counts for item's sale may be compared with the database now,
+        and repaired from it: not while processes hold units of it taken ahead, which they
+        give back themselves, unless one of them died holding some."""
+        return True

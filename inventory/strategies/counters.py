@@ -8,6 +8,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from locking import StockCounter
+from locking.holders import Holders
 
 from ..redis_client import get_redis_client
 
@@ -21,6 +22,16 @@ def counter() -> StockCounter:
 def _counter(client: object) -> StockCounter:
     # One per client: building one registers its scripts.
     return StockCounter(client)
+
+
+def holder_registry() -> Holders:
+    """The registry of processes holding units taken ahead, on the shop's Redis client."""
+    return _holders(get_redis_client())
+
+
+@lru_cache(maxsize=16)
+def _holders(client: object) -> Holders:
+    return Holders(client)
 
 
 def total(names: list[str]) -> int | None:

@@ -55,3 +55,6 @@ class RedisWithFallback(StockStrategy):
 
     def redis_stock(self, *, item: Item) -> int | None:
         return self.primary.redis_stock(item=item)
+
+    def redis_settled(self, *, item: Item) -> bool:
+        return self.primary.redis_settled(item=item)

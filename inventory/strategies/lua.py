@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import partial
 from typing import TypeVar
 
 from django.conf import settings
@@ -38,8 +39,9 @@ from ..models import Item, Order
 from ..redis_client import REDIS_DOWN_ERRORS, get_redis_client
 from ..sale_values import Allocation, HalfDone, Outcome, SaleRestarted, Sold
 from ..stock import ensure_current, plan_rows, shard_stocks
+from .ahead import Holding, held_elsewhere, holders, holding
 from .base import RecordOrder, StockStrategy
-from .counters import counter, total
+from .counters import counter, holder_registry, total
 from .waits import back_off, simulate_work
 
 logger = logging.getLogger(__name__)
@@ -137,23 +139,19 @@ class _Answer:
     sold: Sold | None = None
 
 
-def _take_and_write(checkouts: Sequence[_Checkout]) -> list[_Answer | BaseException]:
+def _take_and_write(
+    checkouts: Sequence[_Checkout], *, ahead: Holding | None = None
+) -> list[_Answer | BaseException]:
     """One batch: every checkout's units in one script, every sale that got units in one
     statement and one commit. A Redis failure in the script is every checkout's answer (nothing
     was written: each goes to the fallback); a checkout whose deadline passed meanwhile is
-    answered Busy, its units given back."""
+    answered Busy, its units given back.
+
+    With `ahead` (the process's holding), a checkout without an idempotency key is served from
+    the units it holds when it can be, and a batch that runs the script takes BATCHES_AHEAD
+    times its units more, to hold (`inventory.strategies.ahead`)."""
     try:
-        results = counter().take_spread_many(
-            [
-                Take(
-                    keys.turn(checkout.item),
-                    keys.stripe_counters(checkout.item),
-                    checkout.qty,
-                    checkout.claim,
-                )
-                for checkout in checkouts
-            ]
-        )
+        results = _take(checkouts, ahead)
     except REDIS_DOWN_ERRORS as exc:
         return [exc] * len(checkouts)
     answers: list[_Answer | BaseException] = []
@@ -208,27 +206,86 @@ def _take_and_write(checkouts: Sequence[_Checkout]) -> list[_Answer | BaseExcept
     return answers
 
 
-_batcher: Batcher[_Checkout, _Answer] = Batcher(_take_and_write)
+def _take(
+    checkouts: Sequence[_Checkout], ahead: Holding | None
+) -> list[dict[int, int] | None | Claim]:
+    """Each checkout's units (stock row -> units; empty: sold out; None: the counters are
+    missing; its claim: a twin holds it), from what `ahead` holds, else from the counters."""
+    served = [
+        ahead.serve(checkout.item, checkout.qty)
+        if ahead is not None and checkout.claim is None
+        else None
+        for checkout in checkouts
+    ]
+    asking = [checkout for checkout, plan in zip(checkouts, served, strict=True) if plan is None]
+    if not asking:
+        return list(served)
+    takes = [
+        Take(
+            keys.turn(checkout.item),
+            keys.stripe_counters(checkout.item),
+            checkout.qty,
+            checkout.claim,
+        )
+        for checkout in asking
+    ]
+    # A batch sells one item, as a rule: units are taken ahead for the first checkout's.
+    item = asking[0].item
+    units = sum(checkout.qty for checkout in asking if checkout.item.pk == item.pk)
+    more = ahead.units_to_take(item, units) if ahead is not None else 0
+    if ahead is None or not more:
+        taken = iter(counter().take_spread_many(takes))
+    else:
+        taken = iter(_take_with_more(ahead, item, takes, more))
+    return [plan if plan is not None else next(taken) for plan in served]
+
+
+def _take_with_more(
+    ahead: Holding, item: Item, takes: list[Take], more: int
+) -> list[dict[int, int] | None | Claim]:
+    """The batch's takes, and `more` units of item's sale for `ahead` to hold, in one script
+    call (under the process's registration as their holder)."""
+    try:
+        with ahead.refilling(item):
+            *taken, extra = counter().take_spread_many(
+                [*takes, Take(keys.turn(item), keys.stripe_counters(item), more)]
+            )
+            ahead.keep(item, extra if isinstance(extra, dict) else {})
+    except REDIS_DOWN_ERRORS:
+        ahead.drop(item)
+        raise
+    return taken
+
+
+_batcher: Batcher[_Checkout, _Answer] = Batcher(partial(_take_and_write, ahead=holding))
 
 
 def _ask(checkout: _Checkout) -> _Answer | None:
     """The checkout's answer from a batch (None: the counters are missing; KeyClaimed: a twin
-    holds the key's claim). Inside a caller's transaction it is written alone, on the caller's
-    connection: a batch led from a transaction would commit others' sales with it."""
-    if connection.in_atomic_block:
-        (answer,) = _take_and_write([checkout])
-        if isinstance(answer, BaseException):
-            raise answer
-    else:
-        try:
-            answer = _batcher.submit(checkout, deadline=checkout.deadline)
-        except Expired:
-            raise deadline.passed(checkout.item.sku) from None
+    holds the key's claim). A checkout that finds the counters short while this process holds
+    units of the sale ahead gives them back and takes again."""
+    answer = _asked(checkout)
+    if answer.took is _Took.SOLD_OUT and holding.give_back(checkout.item):
+        answer = _asked(checkout)
     if answer.took is _Took.CLAIMED and checkout.claim is not None:
         raise KeyClaimed(checkout.claim)
     if answer.took is _Took.MISSING:
         return None
     return answer
+
+
+def _asked(checkout: _Checkout) -> _Answer:
+    """Inside a caller's transaction a checkout is written alone, on the caller's connection
+    (a batch led from a transaction would commit others' sales with it), and holds nothing."""
+    if connection.in_atomic_block:
+        (answer,) = _take_and_write([checkout])
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+    try:
+        return _batcher.submit(checkout, deadline=checkout.deadline)
+    except Expired:
+        raise deadline.passed(checkout.item.sku) from None
 
 
 def _give_back(item: Item, plan: dict[int, int]) -> None:
@@ -264,6 +321,8 @@ class LuaStrategy(StockStrategy):
             for _ in range(ATTEMPTS):
                 answer = _taken(item, lambda: _ask(checkout))
                 if answer.took is _Took.SOLD_OUT:
+                    if held_elsewhere(item, holding):
+                        raise Busy(f"{item.sku}: its last units are held by another process")
                     raise SoldOut(sku=item.sku, requested=qty)
                 if answer.sold is not None:
                     return answer.sold.order
@@ -344,8 +403,22 @@ class LuaStrategy(StockStrategy):
     def redis_stock(self, *, item: Item) -> int | None:
         return total(keys.stripe_counters(item))
 
+    def redis_settled(self, *, item: Item) -> bool:
+        # A holder whose lease ran out never gives its units back: only a repair does, which
+        # ends every registration (`_set_counters`).
+        live, ended = holders(item, remove_ended=True)
+        return ended > 0 or live == 0
+
 
 def _set_counters(item: Item) -> None:
-    """Set every stripe counter of the item's sale from its row in the database."""
+    """Set every stripe counter of the item's sale from its row in the database. The rows
+    count the units processes hold ahead: the same script ends their registrations and moves
+    the counters' generation, so that what they hold is not given back on top
+    (`inventory.strategies.ahead`)."""
     levels = shard_stocks(item.current_sale_id)
-    counter().set_many({keys.stripe_counter(item, index): units for index, units in levels.items()})
+    holder_registry().set_counters(
+        keys.holders(item),
+        keys.generation(item),
+        {keys.stripe_counter(item, index): units for index, units in levels.items()},
+    )
+    holding.drop(item)  # this process's units are among those the rows count

@@ -125,6 +125,20 @@ def crowd_in_rounds(
     return thread, so_far
 
 
+def units_held_ahead_returned(sku: str, *, timeout: float = 10.0) -> None:
+    """Wait until no process holds units of sku's current sale taken ahead of its checkouts
+    (`lua`'s go back within a second of their last use): Redis then counts what the database
+    does, and the reconciler compares them. Fails if a holder is still registered."""
+    from inventory.models import Item
+    from inventory.strategies.ahead import holders
+
+    item = Item.objects.get(sku=sku)
+    deadline = time.monotonic() + timeout
+    while holders(item)[0]:
+        assert time.monotonic() < deadline, f"{sku}: units still held ahead after {timeout} s"
+        time.sleep(0.01)
+
+
 def sold_out(so_far: Any) -> bool:
     """`crowd_in_rounds`'s `until` for a crowd that buys until it is told the sale is sold out."""
     return so_far.errors.get("sold_out", 0) > 0
