@@ -75,6 +75,16 @@ class _Held:
         return min(self.used_at + idle, self.taken_at + most)
 
 
+@dataclass(frozen=True)
+class _Registration:
+    """This process's registration as a holder of one sale's units."""
+
+    #: When its lease ends, by this process's clock (at the latest).
+    ends: float
+    #: The generation of the sale's counters the units are taken in.
+    generation: str
+
+
 def _key(item: Item) -> tuple[int, int | None]:
     return item.pk, item.current_sale_id
 
@@ -110,10 +120,7 @@ class Holding:
         self._refill = threading.Lock()
         self.token = uuid.uuid4().hex
         self._held: dict[tuple[int, int | None], _Held] = {}
-        #: When each registration of this holder ends, by this process's clock (at the latest).
-        self._registered: dict[tuple[int, int | None], float] = {}
-        #: The generation of each sale's counters its units were taken in.
-        self._generation: dict[tuple[int, int | None], str] = {}
+        self._registered: dict[tuple[int, int | None], _Registration] = {}
         #: Until when no units are taken ahead for a sale (`units_to_take`).
         self._short: dict[tuple[int, int | None], float] = {}
         self._thread: threading.Thread | None = None
@@ -145,7 +152,8 @@ class Holding:
         with self._refill:
             now = time.monotonic()
             key = _key(item)
-            if self._registered.get(key, 0.0) < now + self.most + 1.0:
+            registered = self._registered.get(key)
+            if registered is None or registered.ends < now + self.most + 1.0:
                 generation = holder_registry().register(
                     keys.holders(item),
                     keys.generation(item),
@@ -153,20 +161,24 @@ class Holding:
                     lease_ms=self.lease_ms,
                     keep_ms=KEEP_MS,
                 )
-                self._registered[key] = now + self.lease_ms / 1000
+                self._registered[key] = _Registration(now + self.lease_ms / 1000, generation)
                 with self._lock:
-                    if self._generation.get(key, generation) != generation and key in self._held:
+                    if registered and registered.generation != generation and key in self._held:
                         self._held[key].units.clear()  # counted by the counters set since
-                    self._generation[key] = generation
             with self._lock:
-                if key not in self._held:
+                new = key not in self._held
+                if new:
                     self._held[key] = _Held(item, {}, taken_at=now, used_at=now)
                 self._start()
             try:
                 yield
             finally:
                 with self._lock:
-                    self._due.notify()
+                    # The thread giving back sleeps until the earliest due: woken only when a
+                    # holding is new or due at once, not on each refill.
+                    held = self._held.get(key)
+                    if new or (held is not None and held.short):
+                        self._due.notify()
 
     def _start(self) -> None:
         if self._thread is None:
@@ -211,8 +223,8 @@ class Holding:
             return sum(self._give_back(key, held) for key, held in taken)
 
     def _give_back(self, key: tuple[int, int | None], held: _Held | None) -> int:
-        generation = self._generation.pop(key, None)
-        if held is None or self._registered.pop(key, None) is None or generation is None:
+        registered = self._registered.pop(key, None)
+        if held is None or registered is None:
             return 0
         item = held.item
         units = {index: left for index, left in held.units.items() if left}
@@ -221,7 +233,7 @@ class Holding:
                 keys.holders(item),
                 keys.generation(item),
                 self.token,
-                generation,
+                registered.generation,
                 {keys.stripe_counter(item, index): left for index, left in units.items()},
             )
         except REDIS_DOWN_ERRORS as exc:
@@ -239,7 +251,6 @@ class Holding:
         with self._refill, self._lock:
             self._held.pop(_key(item), None)
             self._registered.pop(_key(item), None)
-            self._generation.pop(_key(item), None)
 
     def _give_back_when_due(self) -> None:
         while True:
