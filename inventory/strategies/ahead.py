@@ -1,9 +1,9 @@
 """Units taken ahead: `lua` stock one process took from a sale's counters for its next
 checkouts, so that most of its batches run no script (docs/decisions/0035-units-taken-ahead.md).
 
-A batch that cannot be served from what its process holds runs the take script, which also
-takes BATCHES_AHEAD times the batch's units for the process to hold. Held units are out of
-Redis, so:
+A batch that cannot be served from what its process holds runs the take script; one of
+several checkouts (LEAST_BATCH) takes BATCHES_AHEAD times its units more, for the process to
+hold. Held units are out of Redis, so:
 - the process registers as a holder of the sale first (a Redis hash, leases on Redis's clock):
   while another holder's lease runs, a short take is told busy, not sold out, and the
   reconciler leaves Redis alone;
@@ -35,6 +35,10 @@ logger = logging.getLogger(__name__)
 
 #: A batch that runs the script takes this many times its own units more, to hold,
 BATCHES_AHEAD = 8
+#: when it holds at least this many checkouts: a process whose checkouts do not batch (a sync
+#: worker) sells no faster for held units, and near a sale's end they make other processes'
+#: buyers wait (docs/decisions/0035-units-taken-ahead.md),
+LEAST_BATCH = 2
 #: and never more than this share of the units the item row counts (the sale's supply, until
 #: the reconciler folds what its stock rows hold into it): a process holds no large part of a
 #: small sale, whose last units other processes' buyers would wait for.
@@ -104,10 +108,12 @@ class Holding:
         idle: float = IDLE_SECONDS,
         most: float = MOST_SECONDS,
         lease_ms: int = LEASE_MS,
+        least_batch: int = LEAST_BATCH,
     ) -> None:
         self.idle = idle
         self.most = most
         self.lease_ms = lease_ms
+        self.least_batch = least_batch
         self._reset()
         os.register_at_fork(after_in_child=self._reset)
 
@@ -187,10 +193,11 @@ class Holding:
             )
             self._thread.start()
 
-    def units_to_take(self, item: Item, units: int) -> int:
-        """How many units to take ahead of item's sale, beside a batch's `units`: none for
-        SHORT_SECONDS after a take ahead found its counters short."""
-        if self._short.get(_key(item), 0.0) > time.monotonic():
+    def units_to_take(self, item: Item, units: int, checkouts: int) -> int:
+        """How many units to take ahead of item's sale, beside the `units` of a batch of
+        `checkouts`: none for a batch of fewer than `least_batch`, nor for SHORT_SECONDS after
+        a take ahead found its counters short."""
+        if checkouts < self.least_batch or self._short.get(_key(item), 0.0) > time.monotonic():
             return 0
         return min(BATCHES_AHEAD * units, int(item.stock * MOST_SHARE))
 

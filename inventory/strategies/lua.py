@@ -232,7 +232,7 @@ def _take(
     # A batch sells one item, as a rule: units are taken ahead for the first checkout's.
     item = asking[0].item
     units = sum(checkout.qty for checkout in asking if checkout.item.pk == item.pk)
-    more = ahead.units_to_take(item, units) if ahead is not None else 0
+    more = ahead.units_to_take(item, units, len(checkouts)) if ahead is not None else 0
     if ahead is None or not more:
         taken = iter(counter().take_spread_many(takes))
     else:

@@ -14,12 +14,12 @@ from django.db import connection, transaction
 
 from inventory import keys
 from inventory.exceptions import Busy, SoldOut
-from inventory.models import Item, Order, SaleRepair
+from inventory.models import Item, Order, SaleRepair, StockShard
 from inventory.orders import reconcile_sale
 from inventory.selectors import audit_sale
 from inventory.services import place_order, start_sale
-from inventory.strategies import get_strategy
-from inventory.strategies.ahead import BATCHES_AHEAD, Holding, holders, holding
+from inventory.strategies import get_strategy, lua
+from inventory.strategies.ahead import BATCHES_AHEAD, MOST_SHARE, Holding, holders, holding
 from inventory.strategies.counters import counter
 from tests.conftest import wait_until
 
@@ -39,8 +39,10 @@ def _redis_units(item: Item) -> int | None:
 
 @pytest.mark.django_db(transaction=True)
 def test_a_checkout_holds_units_ahead_and_gives_them_back_when_idle(monkeypatch):
-    # Given a sale of 1,000 units (and units held go back after a second idle: a loaded host
-    # may pause the test longer than the 50 ms it takes)
+    # Given a sale of 1,000 units, a lone checkout taking units ahead as a batch of several
+    # does (and units held go back after a second idle: a loaded host may pause the test
+    # longer than the 50 ms it takes)
+    monkeypatch.setattr(holding, "least_batch", 1)
     monkeypatch.setattr(holding, "idle", 1.0)
     start_sale(sku="ahead-idle", stock=1000, strategy="lua")
     item = Item.objects.get(sku="ahead-idle")
@@ -67,11 +69,54 @@ def test_a_checkout_holds_units_ahead_and_gives_them_back_when_idle(monkeypatch)
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_lone_checkout_takes_only_its_own_units_and_a_batch_of_several_takes_ahead(
+    monkeypatch,
+):
+    monkeypatch.setattr(holding, "idle", 10.0)
+    # Given a sale of 1,000 units
+    start_sale(sku="ahead-batch", stock=1000, strategy="lua")
+    item = Item.objects.get(sku="ahead-batch")
+
+    # When a checkout comes alone, as every checkout of a process that does not batch does
+    place_order(sku="ahead-batch", qty=1, buyer="alone")
+
+    # Then it took its own unit only
+    assert holding.held(item) == 0
+    assert _redis_units(item) == 999
+
+    # When a checkout's statement waits on the sale's stock rows (locked here) while two more
+    # checkouts come, which are then written together
+    def buy(name: str) -> None:
+        try:
+            place_order(sku="ahead-batch", qty=1, buyer=name)
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(3) as pool:
+        with transaction.atomic():
+            list(StockShard.objects.select_for_update().filter(sale_id=item.current_sale_id))
+            first = pool.submit(buy, "first")
+            assert wait_until(lambda: lua._batcher._leading, timeout=30, interval=0.01)
+            rest = [pool.submit(buy, name) for name in ("second", "third")]
+            assert wait_until(lambda: len(lua._batcher._queue) == 2, timeout=30, interval=0.01)
+        for future in [first, *rest]:
+            future.result(timeout=30)
+
+    # Then the lone first took its own unit, and the batch of two took units ahead beside
+    # theirs: BATCHES_AHEAD times its units, at most a hundredth of the sale
+    ahead = min(BATCHES_AHEAD * 2, int(1000 * MOST_SHARE))
+    assert holding.held(item) == ahead
+    assert _redis_units(item) == 1000 - 4 - ahead
+    assert Order.objects.filter(item=item).count() == 4
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_short_take_is_busy_while_another_process_holds_the_last_units():
-    # Given a sale of 20 units, 6 of them held ahead by another process
+    # Given a sale of 20 units, 6 of them held ahead by another process, which is not giving
+    # them back
     start_sale(sku="ahead-end", stock=20, strategy="lua")
     item = Item.objects.get(sku="ahead-end")
-    other = Holding()
+    other = Holding(idle=3600, most=3600)
     _hold(other, item, 6)
 
     # When this process's buyers buy what Redis still counts
@@ -119,7 +164,7 @@ def test_the_reconciler_waits_for_units_held_and_counters_set_from_the_database_
     # Given a sale of 50 units, 10 held ahead by another process
     start_sale(sku="ahead-repair", stock=50, strategy="lua")
     item = Item.objects.get(sku="ahead-repair")
-    other = Holding()
+    other = Holding(idle=3600, most=3600)
     _hold(other, item, 10)
     assert holders(item) == (1, 0)
 
@@ -226,6 +271,7 @@ def test_two_holders_sell_exactly_the_stock_and_leave_nothing_stranded(round_):
 @pytest.mark.django_db(transaction=True)
 def test_a_checkout_inside_a_transaction_neither_holds_nor_serves_units_ahead(monkeypatch):
     # Given a sale of 1,000 units, 8 of them held ahead by this process
+    monkeypatch.setattr(holding, "least_batch", 1)
     monkeypatch.setattr(holding, "idle", 10.0)
     start_sale(sku="ahead-atomic", stock=1000, strategy="lua")
     item = Item.objects.get(sku="ahead-atomic")
@@ -248,6 +294,7 @@ def _held_in_a_child(item: Item, results: multiprocessing.Queue) -> None:
 @pytest.mark.django_db(transaction=True)
 def test_a_forked_process_holds_nothing_of_its_parent_s(monkeypatch):
     # Given units this process holds ahead
+    monkeypatch.setattr(holding, "least_batch", 1)
     monkeypatch.setattr(holding, "idle", 10.0)
     start_sale(sku="ahead-fork", stock=1000, strategy="lua")
     item = Item.objects.get(sku="ahead-fork")
