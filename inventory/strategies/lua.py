@@ -17,6 +17,7 @@ own connection, as part of that transaction).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from ..models import Item, Order
 from ..redis_client import REDIS_DOWN_ERRORS, get_redis_client
 from ..sale_values import Allocation, HalfDone, Outcome, SaleRestarted, Sold
 from ..stock import ensure_current, plan_rows, shard_stocks
-from .ahead import Holding, held_elsewhere, holders, holding
+from .ahead import IDLE_SECONDS, Holding, held_elsewhere, holders, holding
 from .base import RecordOrder, StockStrategy
 from .counters import counter, holder_registry, total
 from .waits import back_off, simulate_work
@@ -48,6 +49,10 @@ logger = logging.getLogger(__name__)
 
 #: Takes tried before a buyer refused by the database is told sold out (or busy).
 ATTEMPTS = 2
+#: How long a checkout that found the counters short takes again while another process holds
+#: units of the sale, before it is answered busy: a holder sells them, or gives them back once
+#: unused for IDLE_SECONDS, and at once when its own take comes back short.
+HELD_WAIT_SECONDS = 4 * IDLE_SECONDS
 #: Stock rows (stripes) of a sale, one Redis counter each: ten spread the database writes of
 #: concurrent buyers over ten rows, few enough for one script to try every counter.
 STRIPES = 10
@@ -318,12 +323,22 @@ class LuaStrategy(StockStrategy):
         claim = _claim(item, record)
         checkout = _Checkout(item, qty, record, claim, deadline.current())
         try:
-            for _ in range(ATTEMPTS):
+            attempts = waits = 0
+            give_up = math.inf
+            while attempts < ATTEMPTS:
                 answer = _taken(item, lambda: _ask(checkout))
                 if answer.took is _Took.SOLD_OUT:
-                    if held_elsewhere(item, holding):
+                    if not held_elsewhere(item, holding):
+                        raise SoldOut(sku=item.sku, requested=qty)
+                    # Another process holds units of the sale: they are sold or back soon.
+                    now = time.monotonic()
+                    give_up = min(give_up, now + HELD_WAIT_SECONDS, checkout.deadline)
+                    if now >= give_up:
                         raise Busy(f"{item.sku}: its last units are held by another process")
-                    raise SoldOut(sku=item.sku, requested=qty)
+                    back_off(waits)
+                    waits += 1
+                    continue
+                attempts += 1
                 if answer.sold is not None:
                     return answer.sold.order
                 if answer.written is Outcome.SHORT:

@@ -123,7 +123,8 @@ def test_a_short_take_is_busy_while_another_process_holds_the_last_units():
     for number in range(14):
         place_order(sku="ahead-end", qty=1, buyer=f"buyer-{number}")
 
-    # Then the next checkout is told busy, not sold out: the other process holds units
+    # Then the next checkout, once it has waited a moment for them, is told busy, not sold
+    # out: the other process holds units
     with pytest.raises(Busy):
         place_order(sku="ahead-end", qty=1, buyer="early")
 
@@ -136,6 +137,30 @@ def test_a_short_take_is_busy_while_another_process_holds_the_last_units():
     audit = audit_sale("ahead-end")
     assert (audit["accepted_units"], audit["oversold"], audit["remaining"]) == (20, 0, 0)
     assert audit["redis_stock"] == audit["db_stock"] == 0
+    assert audit["consistent"], audit
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_short_take_waits_for_another_process_s_units_to_come_back_and_buys_one(monkeypatch):
+    # Given a sale of 20 units: 14 sold, the last 6 held ahead by another process, which gives
+    # them back once unused for 0.1 s (and a checkout here waits for them as long as it takes)
+    monkeypatch.setattr(lua, "HELD_WAIT_SECONDS", 60.0)
+    start_sale(sku="ahead-back", stock=20, strategy="lua")
+    item = Item.objects.get(sku="ahead-back")
+    for number in range(14):
+        place_order(sku="ahead-back", qty=1, buyer=f"buyer-{number}")
+    other = Holding(idle=0.1)
+    _hold(other, item, 6)
+
+    # When a checkout finds the counters short while they are held
+    order = place_order(sku="ahead-back", qty=1, buyer="late").order
+
+    # Then it bought one of them, once the other process gave them back
+    assert order.qty == 1
+    assert other.held(item) == 0
+    assert holders(item) == (0, 0)
+    audit = audit_sale("ahead-back")
+    assert (audit["accepted_units"], audit["db_stock"], audit["redis_stock"]) == (15, 5, 5)
     assert audit["consistent"], audit
 
 
