@@ -36,8 +36,8 @@ logger = logging.getLogger(__name__)
 #: A batch that runs the script takes this many times its own units more, to hold,
 BATCHES_AHEAD = 8
 #: when it holds at least this many checkouts: a process whose checkouts do not batch (a sync
-#: worker) sells no faster for held units, and near a sale's end they make other processes'
-#: buyers wait (docs/decisions/0035-units-taken-ahead.md),
+#: worker) sells no faster for held units, and its database rows meet more often
+#: (docs/decisions/0036-a-short-take-waits-for-units-held-elsewhere.md),
 LEAST_BATCH = 2
 #: and never more than this share of the units the item row counts (the sale's supply, until
 #: the reconciler folds what its stock rows hold into it): a process holds no large part of a
