@@ -140,6 +140,8 @@ class _Answer:
 
     taken: dict[int, int]
     took: _Took | None = None
+    #: Sold out: whether another process holds units of the sale (they may yet be bought).
+    held_elsewhere: bool = False
     written: Outcome | None = None
     sold: Sold | None = None
 
@@ -150,7 +152,8 @@ def _take_and_write(
     """One batch: every checkout's units in one script, every sale that got units in one
     statement and one commit. A Redis failure in the script is every checkout's answer (nothing
     was written: each goes to the fallback); a checkout whose deadline passed meanwhile is
-    answered Busy, its units given back.
+    answered Busy, its units given back; one whose take came back short learns whether another
+    process holds units of the sale (`_sold_out`).
 
     With `ahead` (the process's holding), a checkout without an idempotency key is served from
     the units it holds when it can be, and a batch that runs the script takes BATCHES_AHEAD
@@ -161,6 +164,7 @@ def _take_and_write(
         return [exc] * len(checkouts)
     answers: list[_Answer | BaseException] = []
     writes: list[tuple[int, _Checkout, dict[int, int]]] = []
+    counted: dict[int, bool | BaseException] = {}
     now = time.monotonic()
     for checkout, result in zip(checkouts, results, strict=True):
         if isinstance(result, Claim):
@@ -168,7 +172,7 @@ def _take_and_write(
         elif result is None:
             answers.append(_Answer({}, took=_Took.MISSING))
         elif not result:
-            answers.append(_Answer({}, took=_Took.SOLD_OUT))
+            answers.append(_sold_out(checkout.item, counted))
         elif checkout.deadline <= now:
             _give_back(checkout.item, result)
             answers.append(deadline.passed(checkout.item.sku))
@@ -209,6 +213,21 @@ def _take_and_write(
             )
         answers[n] = _Answer(plan, written=answer.outcome, sold=sold)
     return answers
+
+
+def _sold_out(item: Item, counted: dict[int, bool | BaseException]) -> _Answer | BaseException:
+    """The answer to a take that found item's counters short: whether another process holds
+    units of the sale, counted once a batch for each item (`counted`: item pk -> the count's
+    answer, or the Redis error it met, which is then the checkout's answer)."""
+    if item.pk not in counted:
+        try:
+            counted[item.pk] = held_elsewhere(item, holding)
+        except REDIS_DOWN_ERRORS as exc:
+            counted[item.pk] = exc
+    elsewhere = counted[item.pk]
+    if isinstance(elsewhere, BaseException):
+        return elsewhere
+    return _Answer({}, took=_Took.SOLD_OUT, held_elsewhere=elsewhere)
 
 
 def _take(
@@ -328,7 +347,7 @@ class LuaStrategy(StockStrategy):
             while attempts < ATTEMPTS:
                 answer = _taken(item, lambda: _ask(checkout))
                 if answer.took is _Took.SOLD_OUT:
-                    if not held_elsewhere(item, holding):
+                    if not answer.held_elsewhere:
                         raise SoldOut(sku=item.sku, requested=qty)
                     # Another process holds units of the sale: they are sold or back soon.
                     now = time.monotonic()
