@@ -37,6 +37,18 @@ def _redis_units(item: Item) -> int | None:
     return get_strategy("lua").redis_stock(item=item)
 
 
+def _sale_with_units_held(monkeypatch, sku: str) -> Item:
+    """A sale of 1,000 units whose first checkout, alone, took units ahead as a batch of
+    several does; this process holds them for the rest of the test."""
+    monkeypatch.setattr(holding, "least_batch", 1)
+    monkeypatch.setattr(holding, "idle", 10.0)
+    start_sale(sku=sku, stock=1000, strategy="lua")
+    item = Item.objects.get(sku=sku)
+    place_order(sku=sku, qty=1, buyer="first")
+    assert holding.held(item) == BATCHES_AHEAD
+    return item
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_checkout_holds_units_ahead_and_gives_them_back_when_idle(monkeypatch):
     # Given a sale of 1,000 units, a lone checkout taking units ahead as a batch of several
@@ -296,12 +308,7 @@ def test_two_holders_sell_exactly_the_stock_and_leave_nothing_stranded(round_):
 @pytest.mark.django_db(transaction=True)
 def test_a_checkout_inside_a_transaction_neither_holds_nor_serves_units_ahead(monkeypatch):
     # Given a sale of 1,000 units, 8 of them held ahead by this process
-    monkeypatch.setattr(holding, "least_batch", 1)
-    monkeypatch.setattr(holding, "idle", 10.0)
-    start_sale(sku="ahead-atomic", stock=1000, strategy="lua")
-    item = Item.objects.get(sku="ahead-atomic")
-    place_order(sku="ahead-atomic", qty=1, buyer="first")
-    assert holding.held(item) == BATCHES_AHEAD
+    item = _sale_with_units_held(monkeypatch, "ahead-atomic")
 
     # When a checkout runs inside the caller's transaction
     with transaction.atomic():
@@ -319,12 +326,7 @@ def _held_in_a_child(item: Item, results: multiprocessing.Queue) -> None:
 @pytest.mark.django_db(transaction=True)
 def test_a_forked_process_holds_nothing_of_its_parent_s(monkeypatch):
     # Given units this process holds ahead
-    monkeypatch.setattr(holding, "least_batch", 1)
-    monkeypatch.setattr(holding, "idle", 10.0)
-    start_sale(sku="ahead-fork", stock=1000, strategy="lua")
-    item = Item.objects.get(sku="ahead-fork")
-    place_order(sku="ahead-fork", qty=1, buyer="first")
-    assert holding.held(item) == BATCHES_AHEAD
+    item = _sale_with_units_held(monkeypatch, "ahead-fork")
 
     # When a process is forked from it
     results: multiprocessing.Queue = multiprocessing.get_context("fork").Queue()
