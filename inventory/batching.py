@@ -66,7 +66,7 @@ class Batcher(Generic[Request, Answer]):
         self._most = most
         self._gather = gather
         self._lock = threading.Lock()
-        #: Notified, under `_lock`, of each request queued while a leader gathers.
+        #: Notified, under `_lock`, when a gathering leader has as many requests as it waits for.
         self._arrived = threading.Condition(self._lock)
         self._gathering = False
         #: How many requests the last batch held.
@@ -82,8 +82,8 @@ class Batcher(Generic[Request, Answer]):
             self._queue.append(waiting)
             leads = not self._leading
             self._leading = True
-            if self._gathering:
-                self._arrived.notify()
+            if self._gathering and len(self._queue) >= self._last:
+                self._arrived.notify()  # woken once, when there are as many as it waits for
         if not leads:
             self._wait(waiting)
         if waiting.leads or leads:
