@@ -31,6 +31,7 @@ from .exceptions import (
     LimitReached,
     NotOnSale,
     NotStarted,
+    OutcomeUnknown,
     UnknownSku,
 )
 from .fastpath import read_checkout_item
@@ -121,6 +122,10 @@ def _place(*, sku: str, qty: int, buyer: str, idempotency_key: str | None) -> Ch
     try:
         with transaction.atomic() if inside else nullcontext():
             order = _sell(sku=sku, qty=qty, buyer=buyer, idempotency_key=idempotency_key)
+    except OutcomeUnknown:
+        # The database did not answer whether the sale committed: it would not answer a
+        # look-up by the key either, and a `503 busy` here would invite a retry.
+        raise
     except (CheckoutError, IntegrityError):
         replay = _replay(idempotency_key, sku=sku, qty=qty, buyer=buyer)
         if replay is None:

@@ -8,7 +8,9 @@ import json
 import re
 
 import pytest
+from django.db import connection
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 
 from inventory import selectors
 from inventory.models import Order
@@ -142,3 +144,29 @@ def test_every_error_the_api_answers_is_in_its_documented_list(item, settings, m
     assert len(answered) == 11
     assert answered - _documented_errors() == set()
     assert Order.objects.count() == 1
+
+
+def test_a_keyed_checkout_whose_commit_is_unknown_is_not_told_to_retry(item, monkeypatch):
+    # Given a sale whose statement lost its connection and whose database did not answer
+    # whether it committed (lost_connection.resolve gave up)
+    from inventory import services
+    from inventory.exceptions import OutcomeUnknown
+
+    def unknown(**kwargs):
+        raise OutcomeUnknown("0190a6d2-0000-7000-8000-000000000001")
+
+    monkeypatch.setattr(services, "_sell", unknown)
+    # When the buyer checked out with an idempotency key
+    with CaptureQueriesContext(connection) as queries:
+        response = Client().post(
+            "/api/checkout",
+            {"sku": "phone", "qty": 1, "buyer": "ann", "idempotency_key": "k-unknown"},
+            content_type="application/json",
+        )
+    # Then the answer says the outcome is unknown and invites no retry (a `503 busy` would
+    # tell the buyer that nothing was sold)
+    assert response.status_code == 503
+    assert _api_error(response)["error"] == "outcome_unknown"
+    assert "Retry-After" not in response
+    # and the database, which did not answer, was not asked for the key's order
+    assert not [q["sql"] for q in queries.captured_queries if "inventory_order" in q["sql"]]
