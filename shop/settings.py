@@ -73,6 +73,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Last: the first to see a view's error (a database not answering: 503, not 500).
+    "shop.middleware.DatabaseDownMiddleware",
 ]
 # Messages are for staff on the admin's pages, who have a session: kept in it, a request that
 # shows none reads nothing. The default (cookie, then session) builds a cookie signer for

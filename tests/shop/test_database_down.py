@@ -1,0 +1,104 @@
+"""The shop's database stops answering: the pages and the API's reads answer `503` with
+`Retry-After` (JSON under /api/, a page elsewhere), never Django's `500`; `/healthz` says the
+database is down; nothing is sold meanwhile. On a PostgreSQL of the test's own, stopped."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import psycopg
+import pytest
+import requests
+
+from shop.processes.servers import PROJECT_DIR, ShopServer
+from tests.conftest import server_env
+from tests.support.postgres import PostgresServer
+
+SKU = "down-lua"
+#: The buy form's hidden fields, as the item page renders them.
+FORM_FIELDS = r'name="(csrfmiddlewaretoken|idempotency_key)" value="([^"]+)"'
+
+
+@dataclass
+class DownShop:
+    postgres: PostgresServer
+    url: str
+    #: A browser's session with the item page's form, read while the database answered.
+    browser: requests.Session
+    form: dict[str, str]
+
+
+@pytest.fixture(scope="module")
+def down_shop() -> Iterator[DownShop]:
+    with PostgresServer() as postgres:
+        env = server_env(DATABASE_URL=postgres.url, DJANGO_CONN_MAX_AGE="60")
+        postgres.migrate(env)
+        subprocess.run(
+            [sys.executable, "manage.py", "sale", "start", SKU, "--stock=5", "--strategy=lua"],
+            cwd=PROJECT_DIR,
+            env={**os.environ, **env},
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        server = ShopServer(env=env, workers=1, threads=2)
+        server.start()
+        try:
+            browser = requests.Session()
+            page = browser.get(f"{server.url}/items/{SKU}/", timeout=30)
+            assert page.status_code == 200, page.text[:2000]
+            form = dict(re.findall(FORM_FIELDS, page.text))
+            assert set(form) == {"csrfmiddlewaretoken", "idempotency_key"}, page.text[:2000]
+            postgres.stop()
+            yield DownShop(postgres, server.url, browser, form)
+        finally:
+            server.stop()
+
+
+def _orders(postgres: PostgresServer) -> int:
+    postgres.start()
+    with psycopg.connect(postgres.url.replace("postgres://", "postgresql://")) as db:
+        (count,) = db.execute("SELECT count(*) FROM inventory_order").fetchone()
+    return count
+
+
+def test_pages_and_reads_answer_503_with_retry_after_and_sell_nothing(down_shop):
+    shop = down_shop
+    pages = {
+        "the item page": shop.browser.get(f"{shop.url}/items/{SKU}/", timeout=30),
+        "the buy form": shop.browser.post(
+            f"{shop.url}/items/{SKU}/",
+            data={**shop.form, "buyer": "ann", "qty": "1"},
+            headers={"Referer": f"{shop.url}/items/{SKU}/"},
+            timeout=30,
+        ),
+        "an order's page": requests.get(f"{shop.url}/orders/{uuid.uuid4()}/", timeout=30),
+    }
+    for what, answer in pages.items():
+        assert answer.status_code == 503, (what, answer.status_code, answer.text[:500])
+        assert answer.headers["Retry-After"] == "1", what
+        assert answer.headers["Content-Type"].startswith("text/html"), what
+        assert "database is not answering" in answer.text, what
+
+    api = {
+        "an item": requests.get(f"{shop.url}/api/items/{SKU}", timeout=30),
+        "an order": requests.get(f"{shop.url}/api/orders/{uuid.uuid4()}", timeout=30),
+        "a checkout": requests.post(
+            f"{shop.url}/api/checkout", json={"sku": SKU, "qty": 1, "buyer": "bob"}, timeout=30
+        ),
+    }
+    for what, answer in api.items():
+        assert answer.status_code == 503, (what, answer.status_code, answer.text[:500])
+        assert answer.headers["Retry-After"] == "1", what
+        assert answer.json()["error"] == "busy", what
+
+    health = requests.get(f"{shop.url}/healthz", timeout=2)
+    assert health.status_code == 503 and health.json()["database"].startswith("down"), health.text
+
+    assert _orders(shop.postgres) == 0
