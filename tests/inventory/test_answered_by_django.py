@@ -1,8 +1,10 @@
 """Every checkout is answered by Django's own response cycle: the view's answer passes through
-the middleware (its headers are there), and the server logs the status the buyer got."""
+the middleware (its headers are there, and a response middleware sees the 201 and its order),
+and the server logs the status the buyer got."""
 
 from __future__ import annotations
 
+import logging
 import re
 
 import pytest
@@ -30,6 +32,39 @@ def test_the_test_client_sees_the_201_and_the_middlewares_headers(strategy):
     # XFrameOptionsMiddleware and SecurityMiddleware write these on the way out
     assert response["X-Frame-Options"] == "DENY"
     assert response["X-Content-Type-Options"] == "nosniff"
+
+
+class StatusLogMiddleware:
+    """A response middleware of a shop's own, as one that logs or audits answers would be: it
+    logs the status and the body's order id that Django's response cycle hands it."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        response = self.get_response(request)
+        logging.getLogger("tests.answered").info(
+            "%s %s %s %s", request.method, request.path, response.status_code, response.content
+        )
+        return response
+
+
+@pytest.mark.parametrize("strategy", ["lua", "segmented"])
+def test_a_response_middleware_logs_the_201_and_its_order(strategy, settings, caplog):
+    start_sale(sku=f"mw-{strategy}", stock=3, strategy=strategy)
+    settings.MIDDLEWARE = [*settings.MIDDLEWARE, f"{__name__}.StatusLogMiddleware"]
+
+    with caplog.at_level(logging.INFO, logger="tests.answered"):
+        response = Client().post(
+            "/api/checkout",
+            {"sku": f"mw-{strategy}", "qty": 1, "buyer": "ann"},
+            content_type="application/json",
+        )
+
+    assert response.status_code == 201
+    order = response.json()["order"]
+    (record,) = [r.getMessage() for r in caplog.records if r.name == "tests.answered"]
+    assert record.startswith("POST /api/checkout 201 ") and order in record, record
 
 
 @pytest.mark.parametrize("kind", ["granian", "sync"])
