@@ -1,8 +1,8 @@
 """`inventory_sell_batch(requests, at, wait)`: many checkouts' sales in one statement and one commit.
 
-Group commit for `lua` (`inventory.batch_statement.sell_batch`): the checkouts gathered by one
-combiner are written together, each as its own sale with its own guards, so one refusal never
-undoes the others. Every request is a JSON object: item, sale, rows ({index: units}), qty, buyer, key,
+Group commit (`inventory.batch_statement.sell_batch`): the checkouts of one web process's
+batch (`inventory.batching`) are written together, each as its own sale with its own guards,
+so one refusal never undoes the others. Every request is a JSON object: item, sale, rows ({index: units}), qty, buyer, key,
 limit, served_by, fallback. Each gets one result row (its position from 1, the order id or
 NULL, the outcome):
 - `sold`: its stock rows were decremented (each guarded by `stock >= units`), its allowance
@@ -12,8 +12,9 @@ NULL, the outcome):
 - `duplicate`: its idempotency key is taken (by an earlier order or one earlier in the batch);
 - `limit`: the buyer's allowance would pass the sale's per-buyer limit.
 Anything but `sold` writes nothing for that request (a subtransaction per request). Rows are
-locked in the order the requests name them; the one caller holding the combiner lock is the
-only writer of a sale's rows besides the fallback, which takes them one statement at a time.
+locked in the order the requests name them; the caller locks the batch's stock rows first, by
+(sale, index), and sorts the requests by (sale, buyer), so that the batches of several web
+processes never wait for each other both ways.
 """
 
 from django.db import migrations
