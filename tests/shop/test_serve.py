@@ -17,7 +17,9 @@ import psutil
 import pytest
 import yaml
 
-from inventory.models import Order
+from inventory import keys
+from inventory.models import Item, Order
+from inventory.redis_client import get_redis_client
 from inventory.selectors import audit_sale
 from inventory.services import start_sale
 from loadtest.flood import flood
@@ -93,18 +95,30 @@ def test_serve_starts_a_process_that_died_again(tmp_path, marker):
     assert not answers_ok(f"{url}/healthz")
 
 
-def test_serve_answers_the_checkouts_in_flight_when_granians_main_process_dies(tmp_path):
-    # Given `make serve` selling a `lua` sale whose batches take 1.5 s to write (the lab's
-    # hold delay, between a batch's take and its statement)
-    sku = "serve-in-flight"
-    start_sale(sku=sku, stock=100, strategy="lua", name="Checkouts in flight")
+#: (strategy, keyed): the first in every run of the suite, the others with -m slow.
+IN_FLIGHT = [
+    ("lua", False),
+    pytest.param("lua", True, marks=pytest.mark.slow),
+    pytest.param("segmented", False, marks=pytest.mark.slow),
+    pytest.param("segmented", True, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("strategy", "keyed"), IN_FLIGHT)
+def test_serve_answers_the_checkouts_in_flight_when_granians_main_process_dies(
+    tmp_path, strategy, keyed
+):
+    # Given `make serve` selling a sale whose batches take 1.5 s to write (the lab's hold
+    # delay, between a batch's take or locks and its statement)
+    sku = f"serve-in-flight-{strategy}-{'keyed' if keyed else 'unkeyed'}"
+    start_sale(sku=sku, stock=100, strategy=strategy, name="Checkouts in flight")
     port = free_port()
     serve = _serve(
         tmp_path, port, FLASHSALE_HOLD_DELAY_MS=1500, FLASHSALE_CHECKOUT_DEADLINE_MS=30000
     )
     try:
         _granians_main_dies_with_checkouts_in_flight(
-            serve, f"http://127.0.0.1:{port}", sku, tmp_path / "serve.log"
+            serve, f"http://127.0.0.1:{port}", sku, tmp_path / "serve.log", keyed=keyed
         )
     finally:
         stop_group(serve, timeout=30)
@@ -146,13 +160,23 @@ def test_composes_web_answers_the_checkouts_in_flight_when_granians_main_process
     assert "Celery" not in (tmp_path / "serve.log").read_text()
 
 
+def _in_flight(sku: str) -> bool:
+    """Whether a batch of sku's checkouts is being written: `lua`'s units taken from Redis,
+    or a `segmented` shard's lock held."""
+    item = Item.objects.get(sku=sku)
+    if item.strategy == "segmented":
+        return bool(get_redis_client().exists(*keys.shard_locks(item)))
+    return audit_sale(sku)["redis_stock"] < 100
+
+
 def _granians_main_dies_with_checkouts_in_flight(
-    serve: subprocess.Popen[bytes], url: str, sku: str, log: Path
+    serve: subprocess.Popen[bytes], url: str, sku: str, log: Path, *, keyed: bool = False
 ) -> None:
     """The shop at `url`, served by `serve`'s granian, sells 8 units of `sku` (100 in stock,
     each batch held 1.5 s) while granian's main process is SIGKILLed and /healthz is polled:
-    every checkout answered 201 with its order, the server started again, the old workers gone
-    once the new ones serve, /healthz answered throughout."""
+    every checkout answered 201 with its order, nothing oversold, the server started again, the
+    old workers gone once the new ones serve, /healthz answered throughout. `keyed`: each
+    checkout with an idempotency key of its own."""
     buyers = 8
     probed = threading.Event()
     try:
@@ -165,9 +189,9 @@ def _granians_main_dies_with_checkouts_in_flight(
 
         # When checkouts are in flight (a batch has taken its units and not yet written them)
         flooding, outcome = run_in_thread(
-            lambda: flood(url, sku, attempts=buyers, concurrency=buyers, timeout=60)
+            lambda: flood(url, sku, attempts=buyers, concurrency=buyers, timeout=60, keyed=keyed)
         )
-        assert wait_until(lambda: audit_sale(sku)["redis_stock"] < 100, timeout=30)
+        assert wait_until(lambda: _in_flight(sku), timeout=30)
         # and granian's main process is killed (SIGKILL: no goodbye) while /healthz is polled
         probes: list[bool] = []
 
@@ -187,6 +211,8 @@ def _granians_main_dies_with_checkouts_in_flight(
         assert result.statuses == {201: buyers}, result.statuses
         placed = Order.objects.filter(public_id__in=result.order_ids).count()
         assert placed == buyers
+        audit = audit_sale(sku)
+        assert audit["oversold"] == 0 and audit["accepted_units"] == buyers, audit
 
         # and the server was started again, its old workers gone once the new ones serve
         def started_again() -> bool:
