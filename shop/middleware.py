@@ -18,6 +18,7 @@ from django.shortcuts import render
 from inventory import api
 from inventory.exceptions import BUSY_RETRY_AFTER
 from inventory.services import DATABASE_DOWN_ERRORS
+from shop.views import for_the_api
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class DatabaseDownMiddleware:
             exception.__class__.__name__,
         )
         response: HttpResponse
-        if request.path.startswith("/api/"):
+        if for_the_api(request):
             detail = "the shop's database is not answering; try again in a moment"
             response = api.error_response("busy", detail, 503)
         else:

@@ -177,14 +177,14 @@ def favicon(request: HttpRequest) -> HttpResponse:
     return redirect(static("shop/favicon.svg"), permanent=True)
 
 
-def _for_the_api(request: HttpRequest) -> bool:
+def for_the_api(request: HttpRequest) -> bool:
     return request.path.startswith("/api/")
 
 
 def bad_request(request: HttpRequest, exception: Exception) -> HttpResponse:
     """Django's 400 page (a request it refused before any view: a bad Host header, say); under
     /api/, the API's JSON error."""
-    if _for_the_api(request):
+    if for_the_api(request):
         # (what was wrong is logged; its text may name the server's settings)
         detail = "the request was refused before it reached the API (a Host it does not serve?)"
         return api.error_response("invalid", detail, 400)
@@ -193,7 +193,7 @@ def bad_request(request: HttpRequest, exception: Exception) -> HttpResponse:
 
 def server_error(request: HttpRequest) -> HttpResponse:
     """Django's 500 page (a view failed unexpectedly); under /api/, the API's JSON error."""
-    if _for_the_api(request):
+    if for_the_api(request):
         detail = "the server failed to answer this request (its log says why); try again"
         return api.error_response("error", detail, 500)
     return defaults.server_error(request)

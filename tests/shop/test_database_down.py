@@ -61,7 +61,8 @@ def down_shop() -> Iterator[DownShop]:
             server.stop()
 
 
-def _orders(postgres: PostgresServer) -> int:
+def _orders_once_back(postgres: PostgresServer) -> int:
+    """The orders in the database, once it is started again."""
     postgres.start()
     with psycopg.connect(postgres.url.replace("postgres://", "postgresql://")) as db:
         (count,) = db.execute("SELECT count(*) FROM inventory_order").fetchone()
@@ -101,4 +102,4 @@ def test_pages_and_reads_answer_503_with_retry_after_and_sell_nothing(down_shop)
     health = requests.get(f"{shop.url}/healthz", timeout=2)
     assert health.status_code == 503 and health.json()["database"].startswith("down"), health.text
 
-    assert _orders(shop.postgres) == 0
+    assert _orders_once_back(shop.postgres) == 0
