@@ -67,6 +67,26 @@ class Claim:
         return [self.key], [self.ttl_ms, self.token]
 
 
+@dataclass
+class Registration:
+    """A holder of the units a take gets, registered by the take itself (`Take.holder`), in
+    its script: ``holder`` in the hash ``holders`` for ``lease_ms`` (the hash kept ``keep_ms``),
+    as :meth:`locking.holders.Holders.register` does. ``generation`` is the key of the counters'
+    generation; once the take ran, ``seen`` is the generation its units were taken in, which
+    their give-back names (:meth:`locking.holders.Holders.give_back`)."""
+
+    holders: str
+    generation: str
+    holder: str
+    lease_ms: int
+    keep_ms: int
+    seen: str | None = field(default=None, compare=False)
+
+    def script_args(self) -> tuple[list[str], list[int | str]]:
+        """The extra KEYS and ARGV of a take under this registration."""
+        return [self.holders, self.generation], [self.holder, self.lease_ms, self.keep_ms]
+
+
 @dataclass(frozen=True)
 class Take:
     """One take of :meth:`StockCounter.take_spread_many`: its arguments to ``take_spread``."""
@@ -75,6 +95,8 @@ class Take:
     counters: Sequence[str]
     qty: int
     claim: Claim | None = None
+    #: Registers a holder of the units taken, in the same script (its keys in the take's slot).
+    holder: Registration | None = None
 
     def __post_init__(self) -> None:
         positive_qty(self.qty)
@@ -99,6 +121,10 @@ class LockFirst:
 
 def claim_args(claim: Claim | None) -> tuple[list[str], list[int | str]]:
     return ([], []) if claim is None else claim.script_args()
+
+
+def registration_args(holder: Registration | None) -> tuple[list[str], list[int | str]]:
+    return ([], []) if holder is None else holder.script_args()
 
 
 class StockCounter:
@@ -425,7 +451,7 @@ def take_spread_many_arguments(takes: Sequence[Take]) -> tuple[list[str], list[i
     keys: list[str] = []
     sizes: list[int] = []
     group_of: dict[tuple[str, tuple[str, ...]], int] = {}
-    claim_keys: list[str] = []
+    extra_keys: list[str] = []
     per_take: list[int | str] = []
     for take in takes:
         counters = tuple(take.counters)
@@ -435,12 +461,11 @@ def take_spread_many_arguments(takes: Sequence[Take]) -> tuple[list[str], list[i
             keys.append(take.cursor)
             keys += counters
             sizes.append(len(counters))
-        if take.claim is None:
-            per_take += [number, take.qty, "", ""]
-        else:
-            claim_keys.append(take.claim.key)
-            per_take += [number, take.qty, take.claim.ttl_ms, take.claim.token]
-    keys += claim_keys
+        claim_keys, claim_argv = claim_args(take.claim)
+        holder_keys, holder_argv = registration_args(take.holder)
+        extra_keys += claim_keys + holder_keys
+        per_take += [number, take.qty, *(claim_argv or ("", "")), *(holder_argv or ("", "", ""))]
+    keys += extra_keys
     return keys, [len(sizes), *sizes, *per_take]
 
 
@@ -454,6 +479,10 @@ def take_spread_many_results(
         size = int(reply[position])
         one = reply[position + 1 : position + 1 + size]
         position += 1 + size
+        if take.holder is not None:
+            seen = reply[position]
+            take.holder.seen = seen.decode() if isinstance(seen, bytes) else str(seen)
+            position += 1
         if one[0] == StockCounter.CLAIMED and take.claim is not None:
             results.append(take.claim)
         elif one[0] == StockCounter.MISSING:

@@ -2,8 +2,9 @@
 their next takers, kept beside the counters (docs/decisions/0035-units-taken-ahead.md).
 
 Each sale has a hash of holders, each with when its lease ends (Redis's clock), and a
-generation of its counters, raised whenever they are set from the system of record. A holder
-registers before it takes units ahead, learning the generation; it gives them back naming that
+generation of its counters, raised whenever they are set from the system of record and started
+afresh when Redis lost it. A holder is registered by the very script that takes units ahead
+(`locking.counter.Registration`), learning the generation; it gives them back naming that
 generation, and the give-back adds nothing if the counters were set since (the system of record
 counted them). Framework-free: depends on redis-py only, like the rest of `locking`.
 """
@@ -34,7 +35,8 @@ class Holders:
     ) -> str:
         """Register ``holder`` in the hash ``holders`` for ``lease_ms`` (renewed by registering
         again); the hash is kept ``keep_ms`` after the last registration, so that a lease that
-        ran out is seen. Returns the counters' generation ('0' when unset)."""
+        ran out is seen. Returns the counters' generation (started when unset). A holder that
+        takes units registers with the take instead, in its script (`Take.holder`)."""
         reply = self._register(
             keys=[holders, generation], args=[holder, lease_ms, keep_ms], client=self.redis
         )

@@ -4,12 +4,12 @@ checkouts, so that most of its batches run no script (docs/decisions/0035-units-
 A batch that cannot be served from what its process holds runs the take script; one of
 several checkouts (LEAST_BATCH) takes BATCHES_AHEAD times its units more, for the process to
 hold. Held units are out of Redis, so:
-- the process registers as a holder of the sale first (a Redis hash, leases on Redis's clock):
-  while another holder's lease runs, a short take is told busy, not sold out, and the
-  reconciler leaves Redis alone;
+- the script that takes them registers the process as a holder of the sale first, in the same
+  step (a Redis hash, leases on Redis's clock): while another holder's lease runs, a short
+  take is told busy, not sold out, and the reconciler leaves Redis alone;
 - they go back after IDLE_SECONDS unused, MOST_SECONDS at most, and at exit, with the
   counters' generation they were taken in: once the counters were set from the database
-  since (which counts them), the give-back adds nothing;
+  since (which counts them), or Redis lost its keys, the give-back adds nothing;
 - a Redis failure drops them: the counters are rebuilt from the database, as after any failure.
 """
 
@@ -21,15 +21,16 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
+
+from locking import Claim
+from locking.counter import Registration, Take
 
 from .. import keys
 from ..breaker import breaker
 from ..models import Item
 from ..redis_client import REDIS_DOWN_ERRORS
-from .counters import holder_registry
+from .counters import counter, holder_registry
 
 logger = logging.getLogger(__name__)
 
@@ -79,16 +80,6 @@ class _Held:
         return min(self.used_at + idle, self.taken_at + most)
 
 
-@dataclass(frozen=True)
-class _Registration:
-    """This process's registration as a holder of one sale's units."""
-
-    #: When its lease ends, by this process's clock (at the latest).
-    ends: float
-    #: The generation of the sale's counters the units are taken in.
-    generation: str
-
-
 def _key(item: Item) -> tuple[int, int | None]:
     return item.pk, item.current_sale_id
 
@@ -96,10 +87,10 @@ def _key(item: Item) -> tuple[int, int | None]:
 class Holding:
     """What one process holds of each sale's units, and its registration as their holder.
 
-    `serve` and `keep` are called by the batch being written (one at a time in a process),
+    `serve` and `take` are called by the batch being written (one at a time in a process),
     `give_back` by a thread of its own when units are due back, and by a checkout that found
-    the counters short. A registration and the script call that takes units under it are one
-    step (`refilling`) against a give-back, which ends the registration.
+    the counters short. A take ahead (its script registers the process) and a give-back (its
+    script ends the registration) never run at once.
     """
 
     def __init__(
@@ -126,7 +117,8 @@ class Holding:
         self._refill = threading.Lock()
         self.token = uuid.uuid4().hex
         self._held: dict[tuple[int, int | None], _Held] = {}
-        self._registered: dict[tuple[int, int | None], _Registration] = {}
+        #: The generation of the counters the units held of each sale were taken in.
+        self._registered: dict[tuple[int, int | None], str] = {}
         #: Until when no units are taken ahead for a sale (`units_to_take`).
         self._short: dict[tuple[int, int | None], float] = {}
         self._thread: threading.Thread | None = None
@@ -149,35 +141,33 @@ class Holding:
             held.used_at = time.monotonic()
             return plan
 
-    @contextmanager
-    def refilling(self, item: Item) -> Iterator[None]:
-        """Around the script call that takes units ahead for item's sale, and `keep`: registers
-        this process as a holder first when its lease is not sure to outlive what it will hold.
-        A registration with nothing kept under it ends at once (`_give_back_when_due`). Redis
-        errors propagate."""
+    def take(self, item: Item, takes: list[Take], more: int) -> list[dict[int, int] | None | Claim]:
+        """A batch's `takes`, and `more` units of item's sale to hold, in one script call,
+        which registers this process as their holder before it takes them (and renews the
+        lease): held units are always under a registration Redis has, even when Redis lost its
+        keys since the last take (and reconnected without an error). Units held from an
+        earlier generation of the counters are dropped: the counters set since count them.
+        Returns the takes' results. Redis errors propagate, and drop what is held."""
+        key = _key(item)
+        registration = Registration(
+            keys.holders(item), keys.generation(item), self.token, self.lease_ms, KEEP_MS
+        )
+        ahead = Take(keys.turn(item), keys.stripe_counters(item), more, holder=registration)
         with self._refill:
             now = time.monotonic()
-            key = _key(item)
-            registered = self._registered.get(key)
-            if registered is None or registered.ends < now + self.most + 1.0:
-                generation = holder_registry().register(
-                    keys.holders(item),
-                    keys.generation(item),
-                    self.token,
-                    lease_ms=self.lease_ms,
-                    keep_ms=KEEP_MS,
-                )
-                self._registered[key] = _Registration(now + self.lease_ms / 1000, generation)
-                with self._lock:
-                    if registered and registered.generation != generation and key in self._held:
-                        self._held[key].units.clear()  # counted by the counters set since
             with self._lock:
                 new = key not in self._held
                 if new:
                     self._held[key] = _Held(item, {}, taken_at=now, used_at=now)
                 self._start()
             try:
-                yield
+                *taken, extra = counter().take_spread_many([*takes, ahead])
+                assert registration.seen is not None
+                with self._lock:
+                    self._keep(key, extra if isinstance(extra, dict) else {}, registration.seen)
+            except REDIS_DOWN_ERRORS:
+                self._forget(key)
+                raise
             finally:
                 with self._lock:
                     # The thread giving back sleeps until the earliest due: woken only when a
@@ -185,6 +175,7 @@ class Holding:
                     held = self._held.get(key)
                     if new or (held is not None and held.short):
                         self._due.notify()
+        return taken
 
     def _start(self) -> None:
         if self._thread is None:
@@ -201,18 +192,20 @@ class Holding:
             return 0
         return min(BATCHES_AHEAD * units, int(item.stock * MOST_SHARE))
 
-    def keep(self, item: Item, units: dict[int, int]) -> None:
-        """Hold `units` (stock row -> units), taken ahead inside `refilling`; none: the
-        counters were short."""
+    def _keep(self, key: tuple[int, int | None], units: dict[int, int], generation: str) -> None:
+        """Hold `units` (stock row -> units) taken ahead in `generation`; none: the counters
+        were short. Called with the lock held."""
         now = time.monotonic()
-        with self._lock:
-            held = self._held[_key(item)]
-            for index, added in units.items():
-                held.units[index] = held.units.get(index, 0) + added
-            held.used_at = now
-            held.short = not units
-            if held.short:
-                self._short[_key(item)] = now + SHORT_SECONDS
+        held = self._held[key]
+        if self._registered.get(key, generation) != generation:
+            held.units.clear()  # counted by the counters set since
+        self._registered[key] = generation
+        for index, added in units.items():
+            held.units[index] = held.units.get(index, 0) + added
+        held.used_at = now
+        held.short = not units
+        if held.short:
+            self._short[key] = now + SHORT_SECONDS
 
     def held(self, item: Item) -> int:
         """Units held of item's sale."""
@@ -240,7 +233,7 @@ class Holding:
                 keys.holders(item),
                 keys.generation(item),
                 self.token,
-                registered.generation,
+                registered,
                 {keys.stripe_counter(item, index): left for index, left in units.items()},
             )
         except REDIS_DOWN_ERRORS as exc:
@@ -252,12 +245,15 @@ class Holding:
         return sum(units.values()) if added else 0
 
     def drop(self, item: Item) -> None:
-        """Forget what is held of item's sale: after a Redis failure (the counters are rebuilt
-        from the database when Redis is back), or once they were set from the database, which
-        counts it. The registration runs out by itself, or the set ended it."""
-        with self._refill, self._lock:
-            self._held.pop(_key(item), None)
-            self._registered.pop(_key(item), None)
+        """Forget what is held of item's sale once its counters were set from the database,
+        which counts it. The set ended the registration."""
+        with self._refill:
+            self._forget(_key(item))
+
+    def _forget(self, key: tuple[int, int | None]) -> None:
+        with self._lock:
+            self._held.pop(key, None)
+            self._registered.pop(key, None)
 
     def _give_back_when_due(self) -> None:
         while True:

@@ -260,25 +260,8 @@ def _take(
     if ahead is None or not more:
         taken = iter(counter().take_spread_many(takes))
     else:
-        taken = iter(_take_with_more(ahead, item, takes, more))
+        taken = iter(ahead.take(item, takes, more))
     return [plan if plan is not None else next(taken) for plan in served]
-
-
-def _take_with_more(
-    ahead: Holding, item: Item, takes: list[Take], more: int
-) -> list[dict[int, int] | None | Claim]:
-    """The batch's takes, and `more` units of item's sale for `ahead` to hold, in one script
-    call (under the process's registration as their holder)."""
-    try:
-        with ahead.refilling(item):
-            *taken, extra = counter().take_spread_many(
-                [*takes, Take(keys.turn(item), keys.stripe_counters(item), more)]
-            )
-            ahead.keep(item, extra if isinstance(extra, dict) else {})
-    except REDIS_DOWN_ERRORS:
-        ahead.drop(item)
-        raise
-    return taken
 
 
 _batcher: Batcher[_Checkout, _Answer] = Batcher(partial(_take_and_write, ahead=holding))

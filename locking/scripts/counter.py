@@ -4,6 +4,7 @@ only if newer, and pick a free shard holding the quantity and lock it. Each read
 one step, so concurrent takers cannot oversell. See docs/design.md#where-the-units-live.
 """
 
+from .holders import REGISTER_FUNCTIONS
 from .lock import FENCE_FUNCTIONS, RELEASE
 
 # KEYS[1] stock counter
@@ -111,14 +112,21 @@ return claim(KEYS[#KEYS], ttl, ARGV[3], take_spread(KEYS[1], 2, last, tonumber(A
 
 # Many takes of STOCK_TAKE_SPREAD in one script, in order, each as if run alone. Takes from the
 # same counters (one sale's: the usual batch) name their cursor and counters once, as a group.
-# KEYS: per group, its cursor and then its n stock counters; after the groups, the idempotency
-# claim of each take that has one, in the order of the takes.
-# ARGV[1] the number of groups g, ARGV[2..g+1] each group's n; then, four per take: its group
-# (from 1), the quantity, and the claim's TTL in ms and the taker's token (both "" without a
-# claim).
-# Returns, per take, the length of its reply and then the reply STOCK_TAKE_SPREAD gives.
+# A take may register a holder of the units it takes (units taken ahead,
+# docs/decisions/0035-units-taken-ahead.md) before it takes them, in the same step: its units
+# are then sure to be taken under a live registration, in the generation it returns.
+# KEYS: per group, its cursor and then its n stock counters; after the groups, per take in
+# order, its idempotency claim when it has one, then the holders hash and the counters'
+# generation when it registers a holder.
+# ARGV[1] the number of groups g, ARGV[2..g+1] each group's n; then, seven per take: its group
+# (from 1), the quantity, the claim's TTL in ms and the taker's token (both "" without a
+# claim), the holder, its lease in ms and how long the hash is kept in ms (all three "" when
+# it registers none).
+# Returns, per take, the length of its reply and then the reply STOCK_TAKE_SPREAD gives, and
+# for a take that registers a holder, the counters' generation after it.
 STOCK_TAKE_SPREAD_MANY = (
     _TAKE_SPREAD_FUNCTION
+    + REGISTER_FUNCTIONS
     + """
 local groups = tonumber(ARGV[1])
 local cursors, lasts = {}, {}
@@ -129,7 +137,7 @@ for g = 1, groups do
     k = lasts[g] + 1
 end
 local out = {}
-for a = groups + 2, #ARGV, 4 do
+for a = groups + 2, #ARGV, 7 do
     local g = tonumber(ARGV[a])
     local qty = tonumber(ARGV[a + 1])
     local ttl = ARGV[a + 2]
@@ -139,6 +147,11 @@ for a = groups + 2, #ARGV, 4 do
     else
         claim_key = KEYS[k]
         k = k + 1
+    end
+    local generation
+    if ARGV[a + 4] ~= '' then
+        generation = register(KEYS[k], KEYS[k + 1], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6])
+        k = k + 2
     end
     local reply
     if claimed(claim_key, ttl) then
@@ -153,6 +166,9 @@ for a = groups + 2, #ARGV, 4 do
     out[#out + 1] = #reply
     for i = 1, #reply do
         out[#out + 1] = reply[i]
+    end
+    if generation then
+        out[#out + 1] = generation
     end
 end
 return out

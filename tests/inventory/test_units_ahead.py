@@ -16,21 +16,19 @@ from inventory import keys
 from inventory.exceptions import Busy, SoldOut
 from inventory.models import Item, Order, SaleRepair, StockShard
 from inventory.orders import reconcile_sale
+from inventory.redis_client import get_redis_client
 from inventory.selectors import audit_sale
 from inventory.services import place_order, start_sale
 from inventory.strategies import get_strategy, lua
 from inventory.strategies.ahead import BATCHES_AHEAD, MOST_SHARE, Holding, holders, holding
-from inventory.strategies.counters import counter
 from tests.conftest import wait_until
 
 
-def _hold(other: Holding, item: Item, units: int) -> dict[int, int]:
-    """`other` registers and takes `units` ahead, as a batch of its process does."""
-    with other.refilling(item):
-        taken = counter().take_spread(keys.turn(item), keys.stripe_counters(item), units)
-        assert taken, "the counters hold the units"
-        other.keep(item, taken)
-    return taken
+def _hold(other: Holding, item: Item, units: int) -> None:
+    """`other` takes `units` ahead, registered by the take, as a batch of its process does."""
+    held = other.held(item)
+    assert other.take(item, [], units) == []
+    assert other.held(item) == held + units, "the counters hold the units"
 
 
 def _redis_units(item: Item) -> int | None:
@@ -303,6 +301,35 @@ def test_two_holders_sell_exactly_the_stock_and_leave_nothing_stranded(round_):
     assert Order.objects.filter(item__sku="ahead-two").count() == len(sold)
     assert holding.held(item) == other.held(item) == 0
     assert _redis_units(item) == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_units_held_when_redis_lost_its_keys_neither_strand_nor_double_the_counters(monkeypatch):
+    # Given a sale of 1,000 units, 8 of them held ahead by this process (its registration
+    # renewed less than a second ago)
+    item = _sale_with_units_held(monkeypatch, "ahead-lost")
+    assert _redis_units(item) == 999 - BATCHES_AHEAD
+
+    # When Redis loses every key of the sale (a restart, empty; the client reconnects to it
+    # without an error), another process's checkout rebuilds the counters from the database,
+    # which counts the 8 units held, and a checkout here with an idempotency key (never served
+    # from units held) takes a unit and 8 more ahead
+    client = get_redis_client()
+    client.delete(*client.scan_iter(match=keys.every_sale_pattern(item)))
+    lua.LuaStrategy._seed(item)
+    assert _redis_units(item) == 999
+    place_order(sku="ahead-lost", qty=1, buyer="after", idempotency_key="after-1")
+
+    # Then this process holds the 8 taken since, under a registration Redis has: the 8 taken
+    # before are counted by the counters rebuilt, not held on top
+    assert holding.held(item) == BATCHES_AHEAD
+    assert holders(item) == (1, 0)
+    assert _redis_units(item) == 998 - BATCHES_AHEAD
+    # and once they go back, Redis counts what the database does: none stranded, none twice
+    assert holding.give_back(item) == BATCHES_AHEAD
+    audit = audit_sale("ahead-lost")
+    assert (audit["accepted_units"], audit["db_stock"], audit["redis_stock"]) == (2, 998, 998)
+    assert audit["consistent"], audit
 
 
 @pytest.mark.django_db(transaction=True)
