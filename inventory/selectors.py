@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import queue
+import threading
 import time
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 from uuid import UUID
 
 from django.conf import settings
-from django.db import connection
+from django.db import close_old_connections, connection
 from django.db.models import Count, QuerySet, Sum
 
 from .breaker import breaker
@@ -245,15 +249,83 @@ def sales_figures() -> tuple[dict[str, int], dict[str, dict[str, int]]]:
     return oversold, by_status
 
 
-def health() -> dict[str, Any]:
-    from django.db import connection
+#: How long /healthz waits for the database's answer to `SELECT 1` before it says the database
+#: is down: a database that stopped answering (a frozen host, a process stopped) does not cut
+#: the connection, and nothing bounds a query on the client's side.
+DATABASE_PROBE_SECONDS = 1.0
 
-    try:
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT 1")
-        database = "ok"
-    except Exception as exc:  # any failure to answer is "down"
-        database = f"down: {exc.__class__.__name__}"
+
+@dataclass(eq=False)
+class _Probe:
+    """One `SELECT 1`, and its answer once the database gave it."""
+
+    answered: threading.Event = field(default_factory=threading.Event)
+    state: str = ""
+
+
+class _DatabaseProbe:
+    """The database's state for /healthz within DATABASE_PROBE_SECONDS, whatever the database
+    does: `SELECT 1` is asked by a thread of the process's own, on its own connection, one
+    probe at a time; a request that comes while one is asked waits for that one's answer (a
+    probe held by a database that stopped answering is not joined by more)."""
+
+    def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        # A forked child has none of its parent's threads: it starts its own.
+        self._lock = threading.Lock()
+        self._asked: queue.SimpleQueue[_Probe | None] = queue.SimpleQueue()
+        self._probe: _Probe | None = None
+        self._thread: threading.Thread | None = None
+
+    def state(self) -> str:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._ask, args=(self._asked,), name="database-probe", daemon=True
+                )
+                self._thread.start()
+            probe = self._probe
+            if probe is None or probe.answered.is_set():
+                probe = self._probe = _Probe()
+                self._asked.put(probe)
+        if probe.answered.wait(DATABASE_PROBE_SECONDS):
+            return probe.state
+        return f"down: no answer in {DATABASE_PROBE_SECONDS:g} s"
+
+    def close(self) -> None:
+        """End the thread and its connection (before the database is dropped, say)."""
+        with self._lock:
+            thread, self._thread, self._probe = self._thread, None, None
+            asked, self._asked = self._asked, queue.SimpleQueue()
+        if thread is not None:
+            asked.put(None)
+            thread.join(DATABASE_PROBE_SECONDS)
+
+    @staticmethod
+    def _ask(asked: queue.SimpleQueue[_Probe | None]) -> None:
+        try:
+            while (probe := asked.get()) is not None:
+                close_old_connections()  # as a request does: one too old, or broken, goes
+                try:
+                    with connection.cursor() as cursor:
+                        cursor.execute("SELECT 1")
+                    probe.state = "ok"
+                except Exception as exc:  # any failure to answer is "down"
+                    probe.state = f"down: {exc.__class__.__name__}"
+                    connection.close()
+                probe.answered.set()
+        finally:
+            connection.close()
+
+
+database_probe = _DatabaseProbe()
+
+
+def health() -> dict[str, Any]:
+    database = database_probe.state()
     try:
         ping()
         redis_state = "ok"

@@ -121,6 +121,16 @@ def _drop_load_run_database(django_db_setup, django_db_blocker) -> Iterator[None
         cursor.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _database_probe_closed(django_db_setup) -> Iterator[None]:
+    """/healthz asks the database from a thread of its own, on a connection of its own
+    (`inventory.selectors.database_probe`): closed before the test database is dropped."""
+    yield
+    from inventory.selectors import database_probe
+
+    database_probe.close()
+
+
 @pytest.fixture
 def r() -> Iterator[redis.Redis]:
     """A plain client of the shared test Redis, for tests of `locking` alone."""

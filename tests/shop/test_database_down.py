@@ -1,6 +1,7 @@
 """The shop's database stops answering: the pages and the API's reads answer `503` with
 `Retry-After` (JSON under /api/, a page elsewhere), never Django's `500`; `/healthz` says the
-database is down; nothing is sold meanwhile. On a PostgreSQL of the test's own, stopped."""
+database is down; nothing is sold meanwhile. On a PostgreSQL of the test's own, stopped; and
+one frozen (every process of it stopped), of which /healthz says so at once."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 import requests
 
 from shop.processes.servers import PROJECT_DIR, ShopServer
-from tests.conftest import server_env
+from tests.conftest import server_env, wait_until
 from tests.support.postgres import PostgresServer
 
 SKU = "down-lua"
@@ -103,3 +104,36 @@ def test_pages_and_reads_answer_503_with_retry_after_and_sell_nothing(down_shop)
     assert health.status_code == 503 and health.json()["database"].startswith("down"), health.text
 
     assert _orders_once_back(shop.postgres) == 0
+
+
+def test_healthz_answers_503_at_once_while_the_database_is_frozen():
+    # Given a shop whose database answered its item page and /healthz (the processes stay
+    # connected), then stopped answering: every process of it stopped, connections kept open
+    with PostgresServer() as postgres:
+        env = server_env(DATABASE_URL=postgres.url, DJANGO_CONN_MAX_AGE="60")
+        postgres.migrate(env)
+        server = ShopServer(env=env, workers=1, threads=2)
+        server.start()
+        try:
+            assert requests.get(f"{server.url}/healthz", timeout=30).status_code == 200
+            assert requests.get(f"{server.url}/api/items/{SKU}", timeout=30).status_code == 404
+            postgres.pause()
+
+            # When /healthz is asked, twice (the first probe still waiting on the database)
+            answers = [requests.get(f"{server.url}/healthz", timeout=30) for _ in range(2)]
+
+            # Then each answers 503, the database down for not answering
+            for answer in answers:
+                assert answer.status_code == 503, answer.text
+                assert answer.json()["database"] == "down: no answer in 1 s", answer.text
+
+            # And once the database answers again, so does /healthz: 200
+            postgres.resume()
+            assert wait_until(
+                lambda: requests.get(f"{server.url}/healthz", timeout=30).status_code == 200,
+                timeout=60,
+                interval=0.1,
+            )
+        finally:
+            postgres.resume()
+            server.stop()
