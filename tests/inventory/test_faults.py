@@ -231,12 +231,20 @@ def _kill_redis(shop: Shop) -> float:
     return struck
 
 
-def _stop_redis(shop: Shop) -> float:
-    struck = time.monotonic()
-    shop.redis.pause()
-    time.sleep(STOPPED_SECONDS)  # the fault: stopped this long, while the crowd buys
-    shop.redis.resume()
-    return struck
+def _pause(server: Callable[[Shop], RedisServer | PostgresServer]) -> Callable[[Shop], float]:
+    """Every process of the server stopped for STOPPED_SECONDS: its connections stay open,
+    nothing answers on them."""
+
+    def fault(shop: Shop) -> float:
+        struck = time.monotonic()
+        try:
+            server(shop).pause()
+            time.sleep(STOPPED_SECONDS)  # the fault: stopped this long, while the crowd buys
+        finally:
+            server(shop).resume()
+        return struck
+
+    return fault
 
 
 def _restart_postgres(shop: Shop) -> float:
@@ -254,8 +262,9 @@ FAULTS: dict[str, Callable[[Shop], float]] = {
     "order worker killed": _kill(_order_worker),
     "order worker stopped": _stop(_order_worker),
     "redis killed": _kill_redis,
-    "redis stopped": _stop_redis,
+    "redis stopped": _pause(lambda shop: shop.redis),
     "postgres restarted": _restart_postgres,
+    "postgres stopped": _pause(lambda shop: shop.postgres),
 }
 
 

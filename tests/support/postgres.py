@@ -16,6 +16,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -129,15 +130,18 @@ class PostgresServer:
             return []
 
     def pause(self) -> None:
-        for process in self._group():
-            process.suspend()
+        """Every process of it stopped (SIGSTOP): connections stay open, nothing answers."""
+        self._signal_each(psutil.Process.suspend)
 
     def resume(self) -> None:
+        self._signal_each(psutil.Process.resume)
+
+    def _signal_each(self, send: Callable[[psutil.Process], None]) -> None:
         for process in self._group():
             try:
-                process.resume()
+                send(process)
             except psutil.NoSuchProcess:
-                pass
+                pass  # a session's process that ended meanwhile
 
     def __enter__(self) -> PostgresServer:
         return self.start()
