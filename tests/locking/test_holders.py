@@ -21,11 +21,14 @@ def _two_counters(r: redis.Redis, prefix: str) -> tuple[StockCounter, Holders, l
     return counter, Holders(r), rows
 
 
+def _registry_keys(prefix: str) -> tuple[str, str]:
+    """The holders hash and the counters' generation the takes below register under."""
+    return prefix + "holders", prefix + "generation"
+
+
 def _take_ahead(counter: StockCounter, prefix: str, rows: list[str], qty: int, holder: str):
     """A take of `qty` units that registers `holder` as their holder in its own script."""
-    registration = Registration(
-        prefix + "holders", prefix + "generation", holder, lease_ms=10_000, keep_ms=60_000
-    )
+    registration = Registration(*_registry_keys(prefix), holder, lease_ms=10_000, keep_ms=60_000)
     (taken,) = counter.take_spread_many([Take(prefix + "turn", rows, qty, holder=registration)])
     assert taken and sum(taken.values()) == qty
     assert registration.seen is not None
@@ -37,7 +40,7 @@ def test_a_holder_gives_back_in_its_generation_and_adds_nothing_once_the_counter
 ) -> None:
     # Given two counters and a holder that took 5 units from them, registered by the take
     counter, registry, rows = _two_counters(r, prefix)
-    holders, generation = prefix + "holders", prefix + "generation"
+    holders, generation = _registry_keys(prefix)
     held, seen = _take_ahead(counter, prefix, rows, 5, "one")
     assert sum(counter.get_many(rows)) == 15
     assert registry.count(holders) == (1, 0)
@@ -68,7 +71,7 @@ def test_units_held_before_redis_lost_its_keys_are_not_given_back_into_the_count
     # Given a holder of 5 units taken before Redis lost every key (a restart, empty), and the
     # counters rebuilt since from a source that counts those 5
     counter, registry, rows = _two_counters(r, prefix)
-    holders, generation = prefix + "holders", prefix + "generation"
+    holders, generation = _registry_keys(prefix)
     before, seen_before = _take_ahead(counter, prefix, rows, 5, "one")
     r.delete(*rows, holders, generation, prefix + "turn")
     counter.set_many({rows[0]: 10, rows[1]: 10})
