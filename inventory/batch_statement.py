@@ -20,11 +20,12 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, transaction
 from django.utils import timezone
 
+from . import deadline
 from .fastpath import DirectStatement, compact_json, prepared_cursor
 from .lost_connection import checked_connection, connection_lost, resolve
 from .models import BuyerAllowance, Item, Order, StockShard, new_public_id
 from .row_locks import row_lock_wait
-from .sale_values import WAITED_TOO_LONG, Outcome, RowLockTimeout, SaleRequest, SqlState, Written
+from .sale_values import WAITED_TOO_LONG, Outcome, SaleRequest, SqlState, Written, waited_too_long
 
 
 def sell_batch(requests: list[SaleRequest]) -> list[Written]:
@@ -70,7 +71,7 @@ def sell_batch(requests: list[SaleRequest]) -> list[Written]:
         if answers is None:
             raise
         return answers
-    placed = {public_id: order_id for public_id, order_id, _ in found}
+    placed = {public_id: order_id for public_id, order_id, _, _ in found}
     return _sold(requests, placed, at, found[0][2] if found else None)
 
 
@@ -87,10 +88,10 @@ def _after_refusal(
     wait: str,
 ) -> list[Written] | None:
     """When the set-based statement failed with `sqlstate`: the batch written again a request
-    at a time if it was refused, RowLockTimeout if a row stayed locked, None for any other
-    error (the caller's to raise)."""
+    at a time if it was refused, RowLockTimeout if a row stayed locked (RanPastDeadline if
+    the statement ran past the deadline), None for any other error (the caller's to raise)."""
     if sqlstate in WAITED_TOO_LONG:
-        raise RowLockTimeout(message)
+        raise waited_too_long(sqlstate, message)
     if sqlstate not in _REFUSED:
         return None
     if len(requests) == 1 and not _held(requests[0]) and sqlstate in _ONE_REFUSED:
@@ -164,11 +165,12 @@ def _sell_one_by_one(requests: list[SaleRequest], at: datetime, wait: str) -> li
     except DatabaseError as exc:
         if backend is not None and not inside and connection_lost(database):
             return _resolve_each(requests, backend, at)
-        if getattr(exc.__cause__, "sqlstate", None) in WAITED_TOO_LONG:
-            raise RowLockTimeout(str(exc.__cause__)) from None
+        sqlstate = getattr(exc.__cause__, "sqlstate", None)
+        if sqlstate in WAITED_TOO_LONG:
+            raise waited_too_long(sqlstate, str(exc.__cause__)) from None
         raise
     answers: list[Written] = [Written(Outcome.RESTARTED, None, at)] * len(requests)
-    for n, order_id, outcome in rows:
+    for n, order_id, outcome, _ in rows:
         answers[order[n - 1]] = Written(Outcome(outcome), order_id, at)
     return answers
 
@@ -210,6 +212,7 @@ def _batch_parameters(requests: list[SaleRequest], at: datetime, wait: str) -> d
         "batch": compact_json(requests),
         "at": at,
         "wait": wait,
+        "until": deadline.time_of_day(),
         "sales": [sale for sale, _, _ in rows],
         "indexes": [index for _, index, _ in rows],
         "items": [item for _, _, item in rows],
@@ -222,6 +225,7 @@ def _batch_parameters(requests: list[SaleRequest], at: datetime, wait: str) -> d
 # `inventory_sell_batch` locks each request's rows as it writes it; the stock rows of the whole
 # batch are locked first here, in lock order (the uncorrelated condition on `locked` is checked
 # once, before the function runs), after the lock wait is bounded as the function bounds it.
+# The deadline is checked once the function has written every request (`_BATCH_SQL`, below).
 _ONE_BY_ONE_SQL = f"""WITH bound AS MATERIALIZED (
     SELECT set_config('lock_timeout', %(wait)s::text, true)
 ),
@@ -234,7 +238,8 @@ locked AS MATERIALIZED (
     ORDER BY row.sale_id, row.index
     FOR NO KEY UPDATE OF row
 )
-SELECT n, order_id, outcome FROM inventory_sell_batch(%(batch)s::jsonb, %(at)s, %(wait)s)
+SELECT n, order_id, outcome, inventory_in_time(%(until)s::timestamptz)
+FROM inventory_sell_batch(%(batch)s::jsonb, %(at)s, %(wait)s)
 WHERE (SELECT count(*) FROM locked) >= 0
 """
 
@@ -250,10 +255,13 @@ WHERE (SELECT count(*) FROM locked) >= 0
 # current, is not taken: the count check at the end (`inventory_all_or_nothing(taken + 1,
 # needed + 1)`, which raises FS001 unless the two are equal) aborts the statement, as does a
 # taken idempotency key (unique violation) or an allowance past its limit (check violation),
-# and nothing of the batch is written. Batches of several web processes may be in flight at
-# once: each takes its locks in one order, the stock rows by (sale, index), then the buyers'
-# allowances by (sale, buyer), then the orders' idempotency keys by key, so that one may wait
-# for the other's commit but never both for each other.
+# and nothing of the batch is written; so does the deadline of its earliest checkout, passed
+# by the database's clock once each order row is written (`inventory_in_time`, FS002: the
+# database held the statement).
+# Batches of several web processes may be in flight at once: each takes its locks in one
+# order, the stock rows by (sale, index), then the buyers' allowances by (sale, buyer), then
+# the orders' idempotency keys by key, so that one may wait for the other's commit but never
+# both for each other.
 _BATCH_SQL = f"""WITH bound AS MATERIALIZED (
     SELECT set_config('lock_timeout', %(wait)s::text, true)
 ),
@@ -313,7 +321,8 @@ placed AS (
     RETURNING public_id, id
 )
 SELECT public_id::text, id,
-    (SELECT json_agg(json_build_array(sale_id, index, stock, version)) FROM taken)::text
+    (SELECT json_agg(json_build_array(sale_id, index, stock, version)) FROM taken)::text,
+    inventory_in_time(%(until)s::timestamptz)
 FROM placed
 WHERE inventory_all_or_nothing(
     (SELECT count(*) FROM taken)::integer + 1, cardinality(%(indexes)s::integer[]) + 1

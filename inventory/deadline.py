@@ -3,8 +3,9 @@
 
 `place_order` opens it (`checkout_deadline`); whatever waits inside a checkout asks how long it
 may (`seconds_left`, `wait_ms`): a lock's wait, a row lock's (`lock_timeout` of its statement),
-a batch's turn. Outside a checkout (commands, tasks, the lab) there is none: waits keep their
-own bounds.
+a batch's turn; a sale statement checks it against the database's clock as it ends
+(`time_of_day`), so that one the database held past it writes nothing. Outside a checkout
+(commands, tasks, the lab) there is none: waits keep their own bounds.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from datetime import datetime, timedelta
 
 from django.conf import settings
+from django.utils import timezone
 
 from .exceptions import Busy
 
@@ -57,6 +60,37 @@ def current() -> float:
 def seconds_left() -> float:
     """How long the checkout in progress may still take (`math.inf` outside one)."""
     return current() - time.monotonic()
+
+
+#: The database's clock at this host's `time.monotonic()` 0, as this process has read it
+#: (`on_database_clock`): the latest of its readings, each early by its read's latency.
+_database_clock_at_zero: datetime | None = None
+
+
+def on_database_clock(at: datetime, monotonic: float) -> None:
+    """Note that the database's clock read `at` when this host's `time.monotonic()` read
+    `monotonic` or earlier (every checkout that reads its sale's opening tells it so,
+    `services.checkout_item`). Of all its readings the latest is the closest: a read the
+    database held (stopped mid-statement) is one that reads early, and is outdone."""
+    global _database_clock_at_zero
+    at_zero = at - timedelta(seconds=monotonic)
+    if _database_clock_at_zero is None or at_zero > _database_clock_at_zero:
+        _database_clock_at_zero = at_zero
+
+
+def time_of_day() -> datetime | None:
+    """The deadline of the checkout in progress as the database's clock will read it (None
+    outside one), for a sale statement to check as it ends (`inventory_in_time`, migration
+    0017): one the database held past it (stopped, or slow) writes nothing. Counted from the
+    database's clock as read, so no host's own clock decides; the host's is used only before
+    any checkout has read the database's."""
+    moment = current()
+    if moment == math.inf:
+        return None
+    at_zero = _database_clock_at_zero
+    if at_zero is None:
+        return timezone.now() + timedelta(seconds=moment - time.monotonic())
+    return at_zero + timedelta(seconds=moment)
 
 
 def wait_ms(bound_ms: int, *, sku: str) -> int:

@@ -59,7 +59,8 @@ def sale_sql(shape: Shape) -> str:
         SELECT (SELECT id FROM placed), (SELECT stock FROM taken),
                (SELECT current_sale_id FROM inventory_item WHERE id = %(item)s),
                (the row's level and version, as JSON),
-               inventory_all_or_nothing((the steps that wrote a row)::int, 2)
+               inventory_all_or_nothing((the steps that wrote a row)::int, 2),
+               inventory_in_time(%(until)s::timestamptz)
 
     Every write hangs on `taken`: when a guard refuses, nothing after it is written.
     """
@@ -81,6 +82,9 @@ def sale_sql(shape: Shape) -> str:
 # before any wait.
 _BOUND = "bound AS MATERIALIZED (SELECT set_config('lock_timeout', %(lock_timeout)s, true))"
 _IS_BOUND = "EXISTS (SELECT 1 FROM bound)"
+# The statement's last answer: its checkout's deadline not passed by the database's clock once
+# it has written (`inventory_in_time`, migration 0017), else FS002 and nothing is written.
+_IN_TIME = "inventory_in_time(%(until)s::timestamptz)"
 # A stock row is taken only while its sale is the item's current one; a plain read of the item
 # row takes no row lock.
 _SALE_IS_CURRENT = (
@@ -160,8 +164,8 @@ _PLACED_STEP = (
 def _answers(shape: Shape) -> list[str]:
     """The statement's row of answers: the order's id (NULL: refused), the item row's units
     left, the item's current sale; the item row's fence (fenced, from the item row), or each
-    stock row's level and version; and, for stock rows, the all-or-nothing check (FS001 unless
-    every row's step wrote its row)."""
+    stock row's level and version; for stock rows, the all-or-nothing check (FS001 unless
+    every row's step wrote its row); last, the deadline check (FS002 once it has passed)."""
     answers = [
         "(SELECT id FROM placed)",
         "(SELECT stock FROM taken)",
@@ -182,4 +186,5 @@ def _answers(shape: Shape) -> list[str]:
             f" FROM ({levels}) AS levels)"
         )
         answers.append(f"inventory_all_or_nothing(({written})::int, {shape.rows + 1})")
+    answers.append(_IN_TIME)
     return answers

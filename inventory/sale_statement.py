@@ -23,6 +23,7 @@ from typing import Any
 from django.db import DatabaseError
 from django.utils import timezone
 
+from . import deadline
 from .fastpath import prepared_cursor
 from .lost_connection import connection_lost, resolve
 from .models import Item, OrderStatus, new_public_id
@@ -33,11 +34,11 @@ from .sale_values import (
     Allocation,
     Fenced,
     HalfDone,
-    RowLockTimeout,
     SaleRequest,
     SaleRestarted,
     Sold,
     SqlState,
+    waited_too_long,
 )
 
 
@@ -173,7 +174,8 @@ def sell(order: SaleRecorder, allocation: Allocation) -> Sold | None:
 
     Raises IntegrityError when the allowance would pass the limit (constraint
     `allowance_within_limit`) or the idempotency key is taken, and RowLockTimeout when a row
-    it must write stayed locked by another transaction for ROW_LOCK_TIMEOUT_MS (then
+    it must write stayed locked by another transaction for ROW_LOCK_TIMEOUT_MS, or
+    RanPastDeadline when the database held the statement past the checkout's deadline (then
     nothing is written). Outside a transaction the statement commits on return; inside one it
     is part of it, and the lock timeout it sets holds until that transaction ends.
     """
@@ -221,6 +223,7 @@ def prepare_sale(order: SaleRecorder, allocation: Allocation) -> PreparedSale:
         "version": expected_version,
         "fence": fence,
         "lock_timeout": None,  # when it runs: what is left of the checkout's deadline
+        "until": None,  # when it runs: the checkout's deadline, as a time of day
     }
     for n, (index, taken) in enumerate(shards):
         params[f"si{n}"] = index
@@ -286,6 +289,7 @@ class PreparedSale:
         fenced_by = params["fence"]
         params["now"] = now = timezone.now()
         params["lock_timeout"] = row_lock_wait(item.sku)
+        params["until"] = deadline.time_of_day()
         database = self.cursor.db
         backend = database.connection.info.backend_pid
         try:
@@ -296,7 +300,7 @@ class PreparedSale:
             if sqlstate == SqlState.HALF_DONE:
                 raise HalfDone(str(exc.__cause__)) from None
             if sqlstate in WAITED_TOO_LONG:
-                raise RowLockTimeout(str(exc.__cause__)) from None
+                raise waited_too_long(sqlstate, str(exc.__cause__)) from None
             if connection_lost(database) and not database.in_atomic_block:
                 # Sent outside a transaction: it may have committed before the answer was lost.
                 placed = resolve([str(self.public_id)], backend)

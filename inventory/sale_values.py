@@ -144,15 +144,33 @@ class SqlState(StrEnum):
     UNIQUE_VIOLATION = "23505"
     #: check_violation: the buyer's allowance would pass the limit (`allowance_within_limit`).
     CHECK_VIOLATION = "23514"
+    #: Raised by `inventory_in_time` (migration 0017): the statement ran past its checkout's
+    #: deadline (the database stopped or slow), and was rolled back.
+    DEADLINE_PASSED = "FS002"
 
 
-#: What a row that stayed locked too long is answered with.
-WAITED_TOO_LONG = frozenset({SqlState.LOCK_NOT_AVAILABLE, SqlState.QUERY_CANCELED})
+#: What a statement that waited too long is answered with: a row that stayed locked, or a
+#: statement that ran past its checkout's deadline.
+WAITED_TOO_LONG = frozenset(
+    {SqlState.LOCK_NOT_AVAILABLE, SqlState.QUERY_CANCELED, SqlState.DEADLINE_PASSED}
+)
 
 
 class RowLockTimeout(Exception):
     """A row the sale needs (the item's, a shard's, the buyer's allowance) stayed locked longer
     than ROW_LOCK_TIMEOUT_MS: another transaction holds it."""
+
+
+class RanPastDeadline(RowLockTimeout):
+    """The sale statement ran past its checkout's deadline (the database stopped or slow, not a
+    row held): PostgreSQL rolled it back."""
+
+
+def waited_too_long(sqlstate: str | None, message: str) -> RowLockTimeout:
+    """What a statement refused with one of WAITED_TOO_LONG raises."""
+    if sqlstate == SqlState.DEADLINE_PASSED:
+        return RanPastDeadline(message)
+    return RowLockTimeout(message)
 
 
 class SaleRestarted(Exception):

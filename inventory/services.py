@@ -22,7 +22,7 @@ from django.db import (
 )
 from django.db.models import F
 
-from . import keys, metrics, row_locks, stock
+from . import deadline, keys, metrics, row_locks, stock
 from .deadline import checkout_deadline
 from .exceptions import (
     Busy,
@@ -39,7 +39,7 @@ from .models import Item, Order, Sale, StockShard
 from .orders import order_placed
 from .redis_client import REDIS_DOWN_ERRORS, get_redis_client
 from .sale_statement import SaleRecorder
-from .sale_values import RowLockTimeout, SaleRestarted
+from .sale_values import RanPastDeadline, RowLockTimeout, SaleRestarted
 from .selectors import database_now, forget_item_page
 from .stock import split_stock
 from .strategies import get_strategy, strategy_names
@@ -177,6 +177,8 @@ def _sell_once(
     )
     try:
         return get_strategy(item.strategy).take(item=item, qty=qty, record=record)
+    except RanPastDeadline:
+        raise deadline.passed(sku) from None
     except RowLockTimeout:
         raise Busy(
             f"{sku}: its stock rows stayed locked by another transaction for "
@@ -259,12 +261,15 @@ def checkout_item(sku: str) -> tuple[Item, Opening | None] | None:
     """The item sold as sku and its sale's opening (None without a sale), or None when there
     is no such item. It runs for every checkout: one hand-written, prepared query
     (`fastpath.read_checkout_item`), which also reads how far the opening is by the database's
-    clock."""
+    clock (and tells `deadline` how that clock reads against this host's)."""
     found = read_checkout_item(sku)
     if found is None:
         return None
     item, opening = found
-    return item, (None if opening is None else Opening(*opening))
+    if opening is None:
+        return item, None
+    deadline.on_database_clock(*opening)
+    return item, Opening(*opening)
 
 
 def _violated_constraint(exc: IntegrityError) -> str | None:

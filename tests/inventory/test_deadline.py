@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 
@@ -11,7 +16,7 @@ import pytest
 from django.db import connection
 from django.test import Client
 
-from inventory import row_locks
+from inventory import deadline, row_locks
 from inventory.models import Item, Order
 from inventory.selectors import audit_sale
 from inventory.services import start_sale
@@ -62,6 +67,21 @@ def _checkout_while(hold: Callable[[], None], release: Callable[[], None], **bod
         release()
 
 
+def _assert_busy_and_nothing_sold(response, sku: str) -> None:
+    """`late`'s checkout of 2 units of `sku` (1 of 10 sold before it) was answered 503 busy
+    with Retry-After, nothing of it was sold, and its units are back: the next buyer gets them
+    all."""
+    assert response.status_code == 503, response.content
+    assert response.json()["error"] == "busy" and response["Retry-After"]
+    assert not Order.objects.filter(buyer="late").exists()
+    audit = audit_sale(sku)
+    assert (audit["accepted_units"], audit["db_stock"]) == (1, 9)
+    if audit["redis_stock"] is not None:
+        assert audit["redis_stock"] == 9
+    assert audit["consistent"], audit
+    assert _checkout(Client(), sku=sku, qty=9, buyer="next").status_code == 201
+
+
 @pytest.mark.parametrize("strategy", ["lua", "segmented", "lock", "optimistic"])
 def test_a_sale_statement_held_past_the_deadline_sells_nothing(settings, monkeypatch, strategy):
     # Given a checkout deadline of 300 ms, and the sale's rows locked by another transaction
@@ -84,17 +104,64 @@ def test_a_sale_statement_held_past_the_deadline_sells_nothing(settings, monkeyp
         lambda: holders.append(_hold_rows("held")), release, sku="held", qty=2, buyer="late"
     )
 
-    # Then it is answered 503 busy with Retry-After, and nothing of it was sold
-    assert response.status_code == 503, response.content
-    assert response.json()["error"] == "busy" and response["Retry-After"]
-    assert not Order.objects.filter(buyer="late").exists()
-    # and its units are back: the next buyer gets them all
-    audit = audit_sale("held")
-    assert (audit["accepted_units"], audit["db_stock"]) == (1, 9)
-    if audit["redis_stock"] is not None:
-        assert audit["redis_stock"] == 9
-    assert audit["consistent"], audit
-    assert _checkout(client, sku="held", qty=9, buyer="next").status_code == 201
+    # Then it is answered 503 busy with Retry-After, nothing of it sold, its units back
+    _assert_busy_and_nothing_sold(response, "held")
+
+
+class _StoppedOnSale:
+    """An execute wrapper (`connection.execute_wrapper`) that stops the connection's
+    PostgreSQL backend (SIGSTOP) as a sale statement is sent, and lets it go on (SIGCONT) once
+    the checkout's deadline has passed: as if the database froze with the statement in hand."""
+
+    def __init__(self) -> None:
+        self.stopped: list[int] = []
+        self.sent_before_the_deadline: list[bool] = []
+
+    def __call__(self, execute, sql, params, many, context):
+        if f"INSERT INTO {Order._meta.db_table}" in sql and not self.stopped:
+            backend = context["connection"].connection.info.backend_pid
+            self.sent_before_the_deadline.append(time.monotonic() < deadline.current())
+            os.kill(backend, signal.SIGSTOP)
+            self.stopped.append(backend)
+            past = deadline.current() - time.monotonic() + 0.2
+            threading.Timer(past, self.resume).start()
+        return execute(sql, params, many, context)
+
+    def resume(self) -> None:
+        for backend in self.stopped:
+            with contextlib.suppress(ProcessLookupError):  # its connection closed since
+                os.kill(backend, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("strategy", ["lua", "segmented", "lock", "optimistic"])
+def test_a_sale_statement_the_database_held_past_the_deadline_sells_nothing(settings, strategy):
+    # Given a checkout deadline of 300 ms, and a database that stops as the checkout's sale
+    # statement reaches it and wakes past the deadline (no row lock waited on: the statement's
+    # lock_timeout bounds nothing)
+    settings.FLASHSALE_CHECKOUT_DEADLINE_MS = 300
+    start_sale(sku="frozen", stock=10, strategy=strategy)
+    assert _checkout(Client(), sku="frozen", qty=1, buyer="first").status_code == 201
+    stopped = _StoppedOnSale()
+
+    def checkout():
+        try:
+            with connection.execute_wrapper(stopped):
+                return _checkout(Client(), sku="frozen", qty=2, buyer="late")
+        finally:
+            connection.close()
+
+    # When a buyer checks out
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            response = pool.submit(checkout).result(timeout=60)
+    finally:
+        stopped.resume()
+
+    # Then its statement was sent in time, and it is answered 503 busy for its deadline,
+    # nothing of it sold, its units back
+    assert stopped.sent_before_the_deadline == [True]
+    assert "deadline" in response.json()["detail"], response.content
+    _assert_busy_and_nothing_sold(response, "frozen")
 
 
 def test_a_lock_held_past_the_deadline_answers_busy_and_sells_nothing(settings):
