@@ -7,7 +7,7 @@ from django.db import transaction
 from ..exceptions import Busy, SoldOut
 from ..models import Item, Order
 from ..row_locks import lock_stock_row, wait_for_gates
-from ..sale_values import Allocation, HalfDone, RowLockTimeout, Sold
+from ..sale_values import Allocation, HalfDone, RanPastDeadline, RowLockTimeout, Sold
 from ..stock import plan_rows, read_stock, shard_stocks
 from .base import RecordOrder, StockStrategy
 from .waits import back_off, simulate_work
@@ -65,6 +65,8 @@ class OptimisticStrategy(StockStrategy):
                 allocation = self._plan(item, qty, locked=True)
                 simulate_work()
                 sold: Sold | None = record(allocation)
+        except RanPastDeadline:
+            raise  # the checkout's deadline, not a row: answered as such
         except (RowLockTimeout, HalfDone):
             sold = None
         if sold is None:
