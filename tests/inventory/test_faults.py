@@ -1,8 +1,9 @@
 """Faults mid-flood, on a shop of the test's own, deployed as compose deploys it (its own
 PostgreSQL and Redis; deploy/nginx.conf in front of granian's workers on a unix socket they
-share; an order worker): a web worker, the order worker and Redis each killed (SIGKILL) or
-stopped for 10 s (SIGSTOP), granian's main process stopped for 10 s (its workers go on),
-PostgreSQL restarted with 3 s away; `lua` and `segmented`, with and without idempotency keys.
+share; an order worker; Celery beat, the sweeper's and reconciler's clock): a web worker, the
+order worker, beat and Redis each killed (SIGKILL) or stopped for 10 s (SIGSTOP), granian's
+main process stopped for 10 s (its workers go on), PostgreSQL restarted with 3 s away or
+stopped for 10 s; `lua` and `segmented`, with and without idempotency keys.
 Skipped where there is no nginx (`make nginx` installs it, as CI does).
 
 Whatever the fault: nothing is oversold; every 201 names a committed order; every order in the
@@ -25,6 +26,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
 import psycopg
@@ -32,9 +34,10 @@ import pytest
 import requests
 
 from loadtest.flood import FloodResult, flood
+from shop.processes.children import die_with_parent
 from shop.processes.ports import free_port
 from shop.processes.redis_server import RedisServer
-from shop.processes.servers import PROJECT_DIR, CeleryWorker, ShopServer
+from shop.processes.servers import PROJECT_DIR, CeleryWorker, ShopServer, kill_group
 from tests.conftest import TEST_SECRET_KEY
 from tests.support import NGINX, nginx_serving, nginx_site
 from tests.support.postgres import PostgresServer
@@ -56,15 +59,51 @@ GONE = 502
 BUSY_RETRIES = 1
 
 
+class CeleryBeat:
+    """`celery -A shop beat` as compose runs it (the schedule in settings: the sweeper every
+    10 s, the reconciler every minute), a schedule file of its own in `folder`."""
+
+    def __init__(self, env: dict[str, str], folder: Path) -> None:
+        self.env = {**os.environ, **env}
+        self.folder = folder
+        self.schedule = folder / f"celerybeat-schedule-{uuid.uuid4().hex[:8]}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> CeleryBeat:
+        """Start it; return once it has opened its schedule."""
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "shop", "beat", "-l", "warning"]
+            + ["--schedule", str(self.schedule)],
+            cwd=PROJECT_DIR,
+            env=self.env,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+        deadline = time.monotonic() + 60
+        while not list(self.folder.glob(f"{self.schedule.name}*")):
+            assert self.alive(), f"celery beat exited with {self.process.returncode}"
+            assert time.monotonic() < deadline, "celery beat did not open its schedule in 60 s"
+            time.sleep(0.05)
+        return self
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self) -> None:
+        kill_group(self.process)
+
+
 @dataclass
 class Shop:
-    """A whole shop of a test's own: its database, Redis, server, proxy and order worker."""
+    """A whole shop of a test's own: its database, Redis, server, proxy, order worker and
+    beat."""
 
     postgres: PostgresServer
     redis: RedisServer
     env: dict[str, str]
     server: ShopServer
     worker: CeleryWorker
+    beat: CeleryBeat
     #: nginx's, in front of the server.
     url: str
 
@@ -130,13 +169,15 @@ def shop(tmp_path_factory) -> Iterator[Shop]:
         # granian as compose runs it: the shop's workers and threads, on a socket they share
         server = ShopServer(env=env, uds=proxy / "web.sock").start()
         worker = CeleryWorker(env, concurrency=2).start()
+        beat = CeleryBeat(env, proxy).start()
         port = free_port()
         try:
             with nginx_serving(nginx_site(f"unix:{server.uds}", port), proxy, port) as url:
-                yield Shop(postgres, redis_server, env, server, worker, url)
+                yield Shop(postgres, redis_server, env, server, worker, beat, url)
         finally:
             server.stop()
             worker.stop()
+            beat.stop()
 
 
 @dataclass
@@ -194,6 +235,11 @@ def _web_server(shop: Shop) -> psutil.Process:
 def _order_worker(shop: Shop) -> psutil.Process:
     assert shop.worker.process is not None
     return psutil.Process(shop.worker.process.pid)
+
+
+def _beat(shop: Shop) -> psutil.Process:
+    assert shop.beat.process is not None
+    return psutil.Process(shop.beat.process.pid)
 
 
 def _kill(process: Callable[[Shop], psutil.Process]) -> Callable[[Shop], float]:
@@ -261,6 +307,8 @@ FAULTS: dict[str, Callable[[Shop], float]] = {
     "web server's main process stopped": _stop(_web_server, children=False),
     "order worker killed": _kill(_order_worker),
     "order worker stopped": _stop(_order_worker),
+    "beat killed": _kill(_beat),
+    "beat stopped": _stop(_beat),
     "redis killed": _kill_redis,
     "redis stopped": _pause(lambda shop: shop.redis),
     "postgres restarted": _restart_postgres,
@@ -269,11 +317,14 @@ FAULTS: dict[str, Callable[[Shop], float]] = {
 
 
 def _recover(shop: Shop) -> None:
-    """What a supervisor does after a kill: the order worker started again (the web server's
-    master respawns its own workers)."""
+    """What a supervisor does after a kill: the order worker and beat started again (the web
+    server's master respawns its own workers)."""
     assert shop.worker.process is not None
     if shop.worker.process.poll() is not None or not psutil.pid_exists(shop.worker.process.pid):
         shop.worker = CeleryWorker(shop.env, concurrency=2).start()
+    if not shop.beat.alive():
+        shop.beat.stop()
+        shop.beat = CeleryBeat(shop.env, shop.beat.folder).start()
 
 
 def _sale_through(shop: Shop, fault: str, strategy: str, keyed: bool) -> None:
