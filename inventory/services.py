@@ -23,7 +23,6 @@ from django.db import (
 from django.db.models import F
 
 from . import deadline, keys, metrics, row_locks, stock
-from .deadline import checkout_deadline
 from .exceptions import (
     Busy,
     CheckoutError,
@@ -102,7 +101,7 @@ def place_order(
     or is refused (sold out, limit reached, busy) before it gets that far. Only then is the
     earlier order read, so a first checkout with a key costs what one without does.
     """
-    with checkout_deadline():
+    with deadline.checkout_deadline():
         try:
             return _place(sku=sku, qty=qty, buyer=buyer, idempotency_key=idempotency_key)
         except DATABASE_DOWN_ERRORS as exc:
