@@ -17,7 +17,10 @@ from django.db import connection
 from django.test import Client
 
 from inventory import deadline, row_locks
+from inventory.batch_statement import sell_batch
 from inventory.models import Item, Order
+from inventory.sale_statement import SaleRecorder
+from inventory.sale_values import RanPastDeadline
 from inventory.selectors import audit_sale
 from inventory.services import start_sale
 from inventory.strategies import optimistic
@@ -110,15 +113,17 @@ def test_a_sale_statement_held_past_the_deadline_sells_nothing(settings, monkeyp
 
 class _StoppedOnSale:
     """An execute wrapper (`connection.execute_wrapper`) that stops the connection's
-    PostgreSQL backend (SIGSTOP) as a sale statement is sent, and lets it go on (SIGCONT) once
-    the checkout's deadline has passed: as if the database froze with the statement in hand."""
+    PostgreSQL backend (SIGSTOP) as a sale statement (the first that holds `marker`) is sent,
+    and lets it go on (SIGCONT) once the checkout's deadline has passed: as if the database
+    froze with the statement in hand."""
 
-    def __init__(self) -> None:
+    def __init__(self, marker: str = f"INSERT INTO {Order._meta.db_table}") -> None:
+        self.marker = marker
         self.stopped: list[int] = []
         self.sent_before_the_deadline: list[bool] = []
 
     def __call__(self, execute, sql, params, many, context):
-        if f"INSERT INTO {Order._meta.db_table}" in sql and not self.stopped:
+        if self.marker in sql and not self.stopped:
             backend = context["connection"].connection.info.backend_pid
             self.sent_before_the_deadline.append(time.monotonic() < deadline.current())
             os.kill(backend, signal.SIGSTOP)
@@ -162,6 +167,44 @@ def test_a_sale_statement_the_database_held_past_the_deadline_sells_nothing(sett
     assert stopped.sent_before_the_deadline == [True]
     assert "deadline" in response.json()["detail"], response.content
     _assert_busy_and_nothing_sold(response, "frozen")
+
+
+def test_a_batch_written_one_by_one_the_database_held_past_the_deadline_sells_nothing():
+    # Given a sale of 10 with 1 unit sold under the key "taken", and a batch of two sales from
+    # its stock rows, one of them under that key: the set-based statement refuses the batch
+    # whole, and it is written again a request at a time (`inventory_sell_batch`)
+    start_sale(sku="refused", stock=10, strategy="lua")
+    assert (
+        _checkout(Client(), sku="refused", qty=1, buyer="first", idempotency_key="taken")
+    ).status_code == 201
+    item = Item.objects.get(sku="refused")
+    rows = dict(item.current_sale.shards.values_list("index", "stock"))
+    index = max(rows, key=rows.__getitem__)
+    batch = [
+        SaleRecorder(item=item, qty=2, buyer="late").request(served_by="lua", rows={index: 2}),
+        SaleRecorder(item=item, qty=1, buyer="again", idempotency_key="taken").request(
+            served_by="lua", rows={index: 1}
+        ),
+    ]
+    # and a database that stops as that statement reaches it and wakes past the deadline
+    stopped = _StoppedOnSale(marker="inventory_sell_batch(")
+
+    # When the batch is written for a checkout with a deadline of 300 ms
+    try:
+        with (
+            deadline.checkout_deadline(0.3),
+            connection.execute_wrapper(stopped),
+            pytest.raises(RanPastDeadline),
+        ):
+            sell_batch(batch)
+    finally:
+        stopped.resume()
+
+    # Then the statement was sent in time, and it ran past the deadline: nothing of the batch
+    # was written, every stock row as it was
+    assert stopped.sent_before_the_deadline == [True]
+    assert not Order.objects.filter(buyer__in=["late", "again"]).exists()
+    assert dict(item.current_sale.shards.values_list("index", "stock")) == rows
 
 
 def test_a_lock_held_past_the_deadline_answers_busy_and_sells_nothing(settings):
