@@ -171,13 +171,17 @@ def shop(tmp_path_factory) -> Iterator[Shop]:
         worker = CeleryWorker(env, concurrency=2).start()
         beat = CeleryBeat(env, proxy).start()
         port = free_port()
+        # The order worker and beat that run at the end: a fault's recovery may have started
+        # new ones in place of those started here.
+        running = Shop(postgres, redis_server, env, server, worker, beat, url="")
         try:
             with nginx_serving(nginx_site(f"unix:{server.uds}", port), proxy, port) as url:
-                yield Shop(postgres, redis_server, env, server, worker, beat, url)
+                running.url = url
+                yield running
         finally:
             server.stop()
-            worker.stop()
-            beat.stop()
+            running.worker.stop()
+            running.beat.stop()
 
 
 @dataclass
